@@ -37,6 +37,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -79,6 +80,23 @@ __all__ = ["RoundConfig", "RoundEngine"]
 log = logging.getLogger(__name__)
 
 Publish = Callable[..., Awaitable[None]]
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; True if it is set.
+
+    Not ``asyncio.wait_for(event.wait(), timeout)``: before Python 3.12, wait_for swallows a cancellation
+    that arrives when the event was already set, and a cancelled round loop would run on (a coordinator
+    that does not stop on shutdown, or before a restart). ``asyncio.wait`` never swallows it.
+    """
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return bool(done)
 
 
 @dataclass(frozen=True)
@@ -221,7 +239,11 @@ class RoundEngine:
         self._resumed: list[_RoundState] = []  # the round in progress when the previous instance stopped
         self._has_model: set[str] = set()
         self._hellos: dict[str, Hello] = {}  # every device that said hello to this instance
-        self._outbox: asyncio.Queue[tuple[str, bytes, bool]] = asyncio.Queue()
+        # Publications decided by inbound handlers (which must not block), sent by run()'s outbox task. A
+        # deque and an Event rather than an asyncio.Queue: a coroutine waiting on an Event can be closed
+        # after its loop without calling into the loop (an application torn down abruptly).
+        self._outbox: deque[tuple[str, bytes, bool]] = deque()
+        self._outbox_ready = asyncio.Event()
         self._last_aggregate: dict[int, tuple[str, bytes]] = {}
         self.resent = 0  # identical re-sends of a reply already held (after a re-request)
         self._eval_model = OnnxModel.from_bundle(bundle)
@@ -349,7 +371,7 @@ class RoundEngine:
                 rnd.tasked.add(client_id)
                 budget = rnd.budgets.get(client_id, 0.0)
                 task = self._task(rnd.round_id, rnd.cluster_id, client_id, phase=rnd.phase, budget=budget)
-                self._outbox.put_nowait((T.down(self.config.federation, client_id), task, False))
+                self._post(T.down(self.config.federation, client_id), task)
 
     def _seen(self, client_id: str) -> None:
         """A valid message from a device that said hello: it is online (its Bye may have been a will sent
@@ -597,21 +619,27 @@ class RoundEngine:
         it to say hello) and the latest aggregate of each cluster, and send the task again to every
         participant of the open rounds that has not replied. Called on the event loop by the transport's
         ``on_reconnect`` hook; the round loop's outbox task does the publishing."""
-        fed = self.config.federation
-        self._outbox.put_nowait((T.status(fed), self.status_message(), True))
+        self._post(T.status(self.config.federation), self.status_message(), retain=True)
         for topic, env in self._last_aggregate.values():
-            self._outbox.put_nowait((topic, env, True))
+            self._post(topic, env, retain=True)
         open_rounds = [r for r in (self._sketch_round, *self._rounds.values()) if r is not None]
         for cid in sorted({c for r in open_rounds for c in r.waiting_for}):
             self._retask(cid)
 
+    def _post(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        self._outbox.append((topic, payload, retain))
+        self._outbox_ready.set()
+
     async def _drain_outbox(self) -> None:
         while True:
-            topic, payload, retain = await self._outbox.get()
-            try:
-                await self.publish(topic, payload, retain=retain)
-            except FedError as exc:  # the device asks again with its next hello
-                log.warning("could not publish on %s: %s", topic, exc)
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                topic, payload, retain = self._outbox.popleft()
+                try:
+                    await self.publish(topic, payload, retain=retain)
+                except FedError as exc:  # the device asks again with its next hello
+                    log.warning("could not publish on %s: %s", topic, exc)
 
     async def _publish_aggregate(self, cluster_id: int, envelope: bytes, *, encrypted: bool) -> None:
         c = self.config
@@ -653,9 +681,7 @@ class RoundEngine:
     async def _run(self) -> None:
         c = self.config
         await self._set_state("online")
-        try:
-            await asyncio.wait_for(self._joined.wait(), c.join_timeout_s)
-        except asyncio.TimeoutError:
+        if not await _wait(self._joined, c.join_timeout_s):
             log.error(
                 "only %d of %d devices joined within %.0f s", len(self.online), self._need, c.join_timeout_s
             )
@@ -709,9 +735,7 @@ class RoundEngine:
         while len(self.online) < c.min_clients:
             self._joined.clear()
             log.info("round %d waits for devices: %d of %d online", round_id, len(self.online), c.min_clients)
-            try:
-                await asyncio.wait_for(self._joined.wait(), c.join_timeout_s)
-            except asyncio.TimeoutError:
+            if not await _wait(self._joined, c.join_timeout_s):
                 return False
         self._need = c.min_clients  # after the first round, the quorum is enough
         return True
@@ -725,9 +749,7 @@ class RoundEngine:
             self.store.plan_round([RoundPlan(0, 0, tuple(sorted(sk.participants)), {})])
             self._sketch_round = sk
         await self._send_tasks(sk)
-        try:
-            await asyncio.wait_for(sk.done.wait(), c.deadline_s)
-        except asyncio.TimeoutError:
+        if not await _wait(sk.done, c.deadline_s):
             log.warning(
                 "sketch round: %d of %d sketches by the deadline", len(self._sketches), len(sk.participants)
             )
@@ -796,9 +818,7 @@ class RoundEngine:
                 round_id, cluster_id, state="failed", num_clients=0, total_samples=0, metrics=base
             )
             return False
-        try:
-            await asyncio.wait_for(rnd.reported.wait(), c.report_timeout_s)
-        except asyncio.TimeoutError:
+        if not await _wait(rnd.reported, c.report_timeout_s):
             log.warning(
                 "round %d cluster %d: %d of %d reports", round_id, cluster_id, len(rnd.reports), len(valid)
             )
@@ -862,10 +882,7 @@ class RoundEngine:
     async def _collect(self, rnd: _RoundState, quorum: int) -> list[Any]:
         c = self.config
         for _ in range(2):  # the deadline, then one more deadline of grace if quorum is still missing
-            try:
-                await asyncio.wait_for(rnd.done.wait(), c.deadline_s)
-            except asyncio.TimeoutError:
-                pass
+            await _wait(rnd.done, c.deadline_s)
             valid = [r for r in rnd.replies.values() if not isinstance(r, Error)]
             if rnd.done.is_set() or len(valid) >= quorum:
                 break

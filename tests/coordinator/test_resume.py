@@ -357,3 +357,20 @@ def test_store_resume_records_round_trip_and_commit_atomically(tmp_path: Path) -
         s.complete_round(2, {"d0": {"train_s": 0.5}})
         assert s.completed_round() == 2 and s.replies(2, 0) == {}
         assert s.get_json("measured") == {"d0": {"train_s": 0.5}}
+
+
+async def test_cancelled_round_loop_stops_even_when_its_round_just_completed(tmp_path: Path) -> None:
+    """Stopping the coordinator (before a restart) must stop the round loop at once: a cancellation that
+    arrives when the awaited round has just completed is not swallowed (asyncio.wait_for before 3.12 did)."""
+    a = Coordinator(tmp_path / "c.sqlite", rounds=1)
+    a.hello(*DEVICES)
+    a.start()
+    await a.until(lambda: len(a.tasks(1)) == 3)
+    for cid in DEVICES:  # the round completes; the loop has not run since
+        a.send(cid, update(cid, a.engine.shapes, 1))
+    assert a.task is not None
+    a.task.cancel()
+    await asyncio.wait_for(asyncio.gather(a.task, return_exceptions=True), 5)
+    assert a.task.cancelled()
+    assert a.aggregates() == [], "a cancelled loop must not go on to aggregate"
+    a.store.close()

@@ -310,15 +310,18 @@ class Federation:
         self.proxy: HoldingProxy | None = None
         self.dev3_url = broker.url
 
-    async def _spawn(self, cmd: list[str], log: Path) -> asyncio.subprocess.Process:
+    async def _spawn(self, cmd: list[str], log: Path, *, session: bool = False) -> asyncio.subprocess.Process:
         with _append(log) as f:
-            return await asyncio.create_subprocess_exec(*cmd, stdout=f, stderr=subprocess.STDOUT)
+            return await asyncio.create_subprocess_exec(
+                *cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=session
+            )
 
     async def start_coordinator(self) -> asyncio.subprocess.Process:
         n = len(self.coordinators)
         proc = await self._spawn(
             coordinator_cmd(self.broker.url, self.fed, self.state, self.coordinator_args),
             self.log(f"coordinator{n}"),
+            session=True,  # its own process group: a crash takes its worker processes down with it
         )
         self.coordinators.append(proc)
         return proc
@@ -344,8 +347,17 @@ class Federation:
         for cid, p in self.devices.items():
             assert await asyncio.wait_for(p.wait(), 60) == 0, self.log(cid).read_text()[-4000:]
 
+    def crash_coordinator(self) -> asyncio.subprocess.Process:
+        """``kill -9`` of the running coordinator and of its process group (its HE worker pool)."""
+        proc = self.coordinators[-1]
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc
+
     def stop_all(self) -> None:
-        for p in (*self.coordinators, *self.devices.values()):
+        for p in self.coordinators:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # also any worker left behind by a crashed coordinator
+        for p in self.devices.values():
             if p.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
@@ -403,11 +415,11 @@ async def test_kill_9_mid_round_resumes_and_ends_with_the_uninterrupted_model(
     tmp_path: Path, device_data: dict[str, Path], reference: list[np.ndarray]
 ) -> None:
     async with federation(tmp_path, device_data) as fl:
-        first = await fl.start_coordinator()
+        await fl.start_coordinator()
         await fl.start_devices()
         await hold_dev3_in_round_2(fl)
         await wait_until(lambda: stored_replies(fl.state, 2) == {"dev1", "dev2"}, "stored replies", 30)
-        first.send_signal(signal.SIGKILL)
+        first = fl.crash_coordinator()
         assert await asyncio.wait_for(first.wait(), 10) == -signal.SIGKILL
         killed_at = time.monotonic()
         await fl.start_coordinator()
@@ -452,11 +464,11 @@ async def test_kill_9_under_he_with_clustering_resumes_with_the_stored_ciphertex
             "device_args": ["--he", str(device_dir)],
         }
         async with federation(tmp_path, device_data, **opts) as fl:
-            first = await fl.start_coordinator()
+            await fl.start_coordinator()
             await fl.start_devices()
             await hold_dev3_in_round_2(fl)
             await wait_until(lambda: stored_replies(fl.state, 2) == {"dev1", "dev2"}, "stored replies", 30)
-            first.send_signal(signal.SIGKILL)
+            first = fl.crash_coordinator()
             assert await asyncio.wait_for(first.wait(), 10) == -signal.SIGKILL
             killed_at = time.monotonic()
             await fl.start_coordinator()
