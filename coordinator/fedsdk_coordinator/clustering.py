@@ -16,10 +16,20 @@ Decisions (the paper is silent on all of them):
   renumbered 0..k−1 in the order of each cluster's first member in sorted id order.
 * **Degenerate inputs → one cluster** (``fallback`` says why): one or two devices (``"too_few"``: two points
   give no scale to judge whether their distance is large, and the median preference always splits them),
-  all pairwise distances equal (``"no_structure"``), and non-convergence (``"not_converged"``). Affinity
+  all pairwise distances equal (``"no_structure"``), no partition with a silhouette of at least
+  ``min_silhouette`` (``"weak_structure"``, below), and non-convergence (``"not_converged"``). Affinity
   propagation that oscillates is retried once with damping 0.9 and twice the iterations (Frey & Dueck's
   remedy) before falling back. One cluster is the safe choice: every device keeps aggregating with others.
   The exemplar of a fallback cluster is the medoid (least sum of squared distances).
+* **One cluster when the structure is weak** (``min_silhouette``, default 0.25): affinity propagation
+  always splits, so devices with the same data distribution (IID) came out as 2-6 clusters of a few devices
+  each, which only costs accuracy (measured on the fleet benchmark's system scenario, 20 IID devices: 6
+  clusters, 91.9% against 95.3% for one FedAvg). The silhouette of the best split decides: Kaufman &
+  Rousseeuw (1990, ch. 2) read an average silhouette below 0.25 as "no substantial structure". Measured
+  with the demo's sketches (seeds 0 and 1): IID 8 or 20 devices 0.05-0.15 (with or without DP), Dirichlet
+  0.18-0.21, label skew 0.86-0.91 without DP and 0.49-0.50 with example-level DP at ε = 1 on 8 devices;
+  label skew with DP at ε = 1 on 20 devices (fewer examples each, more noise) gives 0.12-0.20 and wrong
+  groups, which one cluster replaces. ``min_silhouette=None`` keeps every split.
 * **Small clusters** (``min_cluster_size``, default 1 = plain AP): members of clusters smaller than that
   are moved, smallest cluster first, to the nearest remaining exemplar; a singleton cluster means a device
   aggregates alone, which rounds may want to forbid.
@@ -33,6 +43,7 @@ Decisions (the paper is silent on all of them):
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Collection, Mapping
@@ -47,7 +58,11 @@ from sklearn.metrics import adjusted_rand_score, silhouette_score
 
 from fedsdk.errors import ConfigError
 
-__all__ = ["Clustering", "adjusted_rand", "assign_nearest", "cluster_sketches", "recluster"]
+log = logging.getLogger(__name__)
+
+MIN_SILHOUETTE = 0.25  # Kaufman & Rousseeuw: below it, "no substantial structure" (module docstring)
+
+__all__ = ["MIN_SILHOUETTE", "Clustering", "adjusted_rand", "assign_nearest", "cluster_sketches", "recluster"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,8 +178,11 @@ def cluster_sketches(
     max_iter: int = 1000,
     seed: int = 0,
     min_cluster_size: int = 1,
+    min_silhouette: float | None = MIN_SILHOUETTE,
 ) -> Clustering:
     """Affinity propagation on the devices' sketches (SenseCrypt §3.1, alg. 2 line 9); see the module doc."""
+    if min_silhouette is not None and not -1.0 <= min_silhouette <= 1.0:
+        raise ConfigError(f"min_silhouette must be in [-1, 1], got {min_silhouette}")
     if not 0.5 <= damping < 1.0:
         raise ConfigError(f"damping must be in [0.5, 1), got {damping}")
     if max_iter < 1 or min_cluster_size < 1:
@@ -204,6 +222,14 @@ def cluster_sketches(
             best = result
     if best is None:
         return _build(ids, x, one, False, "not_converged")
+    if min_silhouette is not None and best.silhouette is not None and best.silhouette < min_silhouette:
+        log.info(
+            "one cluster: the best split (%d clusters) has silhouette %.3f < %.2f",
+            best.n_clusters,
+            best.silhouette,
+            min_silhouette,
+        )
+        return _build(ids, x, one, True, "weak_structure")
     return best
 
 
@@ -231,6 +257,7 @@ def recluster(
     max_iter: int = 1000,
     seed: int = 0,
     min_cluster_size: int = 1,
+    min_silhouette: float | None = MIN_SILHOUETTE,
 ) -> Clustering:
     """Cluster ``sketches`` anew and carry over ``previous``'s ids (module docstring, last point).
 
@@ -243,6 +270,7 @@ def recluster(
         max_iter=max_iter,
         seed=seed,
         min_cluster_size=min_cluster_size,
+        min_silhouette=min_silhouette,
     )
     new_ids = sorted(fresh.exemplars)
     old_ids = sorted(previous.exemplars)

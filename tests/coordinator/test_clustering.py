@@ -271,3 +271,32 @@ def test_adjusted_rand_is_label_permutation_invariant_and_checks_coverage() -> N
         Clustering(
             labels={"a": 3}, exemplars={0: "a"}, centers={0: np.zeros(2)}, silhouette=None, converged=True
         )
+
+
+def _one_distribution(n: int, seed: int) -> dict[str, np.ndarray]:
+    """IID devices: one sensitivity profile, device-level noise only (no planted groups)."""
+    base, _ = _signatures(1, seed)
+    rng = np.random.default_rng(seed + 1)
+    return {f"d{i:02d}": base * rng.lognormal(0.0, 0.3, N_PARAMS) * rng.uniform(0.1, 10.0) for i in range(n)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_devices_of_one_distribution_form_one_cluster(seed: int) -> None:
+    sk = {k: sensitivity_sketch(v, dim=32, seed=7) for k, v in _one_distribution(20, seed).items()}
+    split = cluster_sketches(sk, min_silhouette=None)  # affinity propagation alone always splits
+    assert split.n_clusters >= 2 and split.silhouette is not None and split.silhouette < 0.25
+    c = cluster_sketches(sk)
+    assert c.n_clusters == 1 and c.fallback == "weak_structure" and c.converged
+    _check_consistent(c)
+    again = recluster(c, sk)
+    assert again.n_clusters == 1 and set(again.labels.values()) == {0}
+
+
+def test_min_silhouette_keeps_clear_groups_and_is_checked() -> None:
+    sens, truth = _planted(4, 5, seed=3)
+    sk = {k: sensitivity_sketch(v, dim=32, seed=7) for k, v in sens.items()}
+    c = cluster_sketches(sk)
+    assert c.fallback is None and adjusted_rand(c, truth) == 1.0
+    assert cluster_sketches(sk, min_silhouette=0.999).fallback == "weak_structure"
+    with pytest.raises(ConfigError):
+        cluster_sketches(sk, min_silhouette=1.5)

@@ -57,7 +57,8 @@ def test_both_arms_finish_every_round_and_the_report_has_the_tables(run: dict[st
         assert set(m["final_accuracy_per_group"]) == {"0"}
         assert all(v is not None for v in m["split"].values())
     assert "| plaintext+cluster | finished |" in run["report"] and "## Targets" in run["report"]
-    assert [c["arm"] for c in run["targets"]] == ["fedsdk"] * 4
+    assert [c["arm"] for c in run["targets"]] == ["fedsdk"] * 5
+    assert "| HE spread |" in run["report"] and a["plaintext+cluster"]["he_spread"] is None
 
 
 def test_fedsdk_encrypts_with_budgets_aimed_at_the_plaintext_round(run: dict[str, Any]) -> None:
@@ -67,6 +68,9 @@ def test_fedsdk_encrypts_with_budgets_aimed_at_the_plaintext_round(run: dict[str
     assert 0.0 < fed["encrypted_ratio"] <= 1.0 and fed["union_ratio"] >= fed["encrypted_ratio"] - 1e-9
     assert fed["target_round_s"] == pytest.approx(plain["mean_round_s"])
     assert fed["bytes_up"] > plain["bytes_up"]  # ciphertexts are larger than float32 values
+    # every device decrypted the union (key mode shared), so each has HE time: encryption + decryption
+    assert fed["he_spread"] is not None and fed["he_spread"] >= 1.0
+    assert all(d["decrypt"] > 0 and d["he_s"] >= d["decrypt"] for d in fed["devices"].values())
 
 
 def test_devices_are_emulated_as_profiled(run: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ from fedsdk.crypto import HEBackend
 from fedsdk.crypto.obfuscator import Obfuscator, ObfuscatorFactory
 from fedsdk.errors import ConfigError
 from fedsdk.fleetbench.scenarios import DeviceProfile
-from fedsdk.protocol import BaseMessage, Hello
+from fedsdk.protocol import BaseMessage, EncryptedAggregate, Hello
 from fedsdk.protocol import topics as T
 
 __all__ = ["DilatedFactory", "Dilation", "EmulatedClient", "StepTiming", "cpu_he_throughput"]
@@ -183,6 +183,7 @@ class EmulatedClient(FedClient):
         self.sketch_timeline: dict[str, float] = {}
         self._fit_timing = (0.0, 0.0)
         self._boundary = (0, 0)
+        self._decrypt_s: dict[int, float] = {}  # emulated decryption time per applied round
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> EmulatedClient:
@@ -275,6 +276,8 @@ class EmulatedClient(FedClient):
         out["decrypt_s"] = self.dilation.k * float(out.get("decrypt_s", 0.0)) * ratio
         out["apply_s"] = self.dilation.k * step.cpu_s
         out["emu_overrun_s"] = step.overrun_s
+        if isinstance(agg, EncryptedAggregate):  # a plaintext aggregate's "decrypt_s" is only its copy
+            self._decrypt_s[agg.round_id] = out["decrypt_s"]
         return out
 
     def _sketch(self, task: Any, base: list[np.ndarray]) -> Any:
@@ -311,6 +314,7 @@ class EmulatedClient(FedClient):
         if len(self.summary.applied_rounds) > applied and row is not None:
             bytes_in, bytes_out = self._bytes()
             row.update(t_agg=t0, t_applied=time.monotonic(), in_end=float(bytes_in), out_end=float(bytes_out))
+            row["decrypt_s"] = self._decrypt_s.get(agg.round_id, 0.0)
             self._boundary = (bytes_in, bytes_out)
 
     def result(self) -> dict[str, Any]:

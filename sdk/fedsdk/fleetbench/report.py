@@ -34,9 +34,9 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
         f"### {sc['name']}: {sc['title']} ({sc['source']}; {sc['n_devices']} devices, "
         f"S = {sc.get('time_scale', '?')})",
         "",
-        "| arm | state | round s | ÷ plaintext | plain-he ÷ | spread | update s min/mean/max | "
+        "| arm | state | round s | ÷ plaintext | plain-he ÷ | spread | HE spread | update s min/mean/max | "
         "kB up | kB down | enc % | union % | " + " | ".join(f"acc g{g} %" for g in groups) + " | overrun % |",
-        "|---" * (12 + len(groups)) + "|",
+        "|---" * (13 + len(groups)) + "|",
     ]
     for a in arms:
         r = a["mean_round_s"]
@@ -45,6 +45,7 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
             f"| {a['label']} | {a['state']} | {_f(r)} | "
             f"{_f(r / plain['mean_round_s'] if r and plain else None, '.2f')} | "
             f"{_f(he['mean_round_s'] / r if r and he else None, '.1f')} | {_f(a['spread'], '.2f')} | "
+            f"{_f(a.get('he_spread'), '.2f')} | "
             f"{_f(u['min'])}/{_f(u['mean'])}/{_f(u['max'])} | "
             f"{_kb(a['bytes_up'])} | {_kb(a['bytes_down'])} | "
             f"{_pct(a['encrypted_ratio'])} | {_pct(a['union_ratio'])} | "
