@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedsdk.mosquitto import HOST, find_mosquitto, free_port
+from fedsdk.mosquitto import accepting as _accepting
 from fedsdk.pki import DevPki
 
 __all__ = [
@@ -43,34 +43,9 @@ __all__ = [
     "start_mosquitto",
 ]
 
-HOST = "127.0.0.1"
-
 
 class BrokerStartError(RuntimeError):
     """A test broker did not come up; the message carries its log."""
-
-
-def find_mosquitto() -> str | None:
-    """Path of the mosquitto binary (PATH first, then Debian's /usr/sbin), or None."""
-    found = shutil.which("mosquitto")
-    if found:
-        return found
-    return "/usr/sbin/mosquitto" if os.access("/usr/sbin/mosquitto", os.X_OK) else None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _accepting(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 class MosquittoProcess:

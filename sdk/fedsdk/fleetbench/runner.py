@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from fedsdk.errors import ConfigError
-from fedsdk.fleetbench.broker import Mosquitto
 from fedsdk.fleetbench.scenarios import Scenario
+from fedsdk.mosquitto import LoopbackMosquitto
 
 __all__ = ["Arm", "FleetConfig", "parse_arm", "prepare_data", "run_arm"]
 
@@ -225,7 +225,7 @@ async def run_arm(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen[bytes]] = {}
     outs: list[Path] = []
-    with Mosquitto(arm_dir / "broker") as broker:
+    with LoopbackMosquitto(arm_dir / "broker", max_queued=10_000) as broker:
         config = co.CoordinatorConfig(
             rounds=rounds,
             state_dir=arm_dir / "state",

@@ -14,9 +14,9 @@ worker process of many devices), ``harness`` (the run), ``analysis`` (verdict an
 from __future__ import annotations
 
 from fedsdk.loadtest.analysis import analyse, format_table, machine_info
-from fedsdk.loadtest.broker import LoopbackMosquitto, find_mosquitto
 from fedsdk.loadtest.cli import main
 from fedsdk.loadtest.harness import LoadConfig, LoadRunError, run_load
+from fedsdk.mosquitto import LoopbackMosquitto, find_mosquitto
 
 __all__ = [
     "LoadConfig",

@@ -32,9 +32,9 @@ import psutil
 
 from fedsdk.errors import ConfigError, FedError
 from fedsdk.loadtest.analysis import analyse, machine_info
-from fedsdk.loadtest.broker import LoopbackMosquitto
 from fedsdk.loadtest.coordinator import CoordinatorSpec, coordinator_main
 from fedsdk.loadtest.devices import WorkerSpec, worker_main
+from fedsdk.mosquitto import LoopbackMosquitto
 
 __all__ = ["LoadConfig", "LoadRunError", "run_load"]
 

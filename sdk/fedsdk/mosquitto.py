@@ -1,6 +1,8 @@
-"""The load test's broker: a mosquitto 2 process on a free loopback port, owned by the harness.
+"""A throw-away mosquitto 2 on a free loopback port, owned by a harness (the load test, the fleet benchmark).
 
-Configuration decisions (mosquitto.conf(5), mosquitto 2.0):
+DESIGN.md: "mosquitto for fleets and CI" (3-5x faster than the embedded amqtt broker, and it enforces ACLs).
+A fresh broker per run also means no retained message of one run can reach the next. Configuration
+decisions (mosquitto.conf(5), mosquitto 2.0):
 
 * ``listener <port> 127.0.0.1``: loopback only, so the plain-TCP default never leaves the machine.
 * ``user root`` when the harness runs as root: mosquitto 2 otherwise drops to the ``mosquitto`` user and
@@ -8,12 +10,13 @@ Configuration decisions (mosquitto.conf(5), mosquitto 2.0):
 * ``max_queued_messages`` raised from 1,000 to ``max_queued`` (100,000 by default). The coordinator is one
   MQTT session that receives every device's probe, hello, update, report and bye; when hundreds of devices
   publish in the same second, the QoS 1 messages waiting for that one session exceed mosquitto's default
-  queue and the broker drops the excess *silently*. A load test must measure the federation, not that
-  limit, so the harness raises it and says so in its report (``--max-queued 1000`` shows the default).
+  queue and the broker drops the excess *silently*. A harness must measure the federation, not that
+  limit, so it raises it and says so in its report (the load test's ``--max-queued 1000`` shows the default).
 * ``max_connections -1`` (no limit; the default, written out), ``persistence false`` (a throw-away broker),
   ``max_inflight_messages 20`` (the default, matching the transport's flow-control window).
-* ``--tls``: a TLS listener that requires a client certificate from the run's development CA, the
-  certificate's CN becoming the MQTT username (as in production; no ACL file: the ACL is tested elsewhere).
+* ``tls``: a TLS listener that requires a client certificate from the run's development CA, the
+  certificate's CN becoming the MQTT username (as in production; no ACL file: the ACL is tested elsewhere,
+  with the configuration ``fedsdk provision`` writes).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 from fedsdk.errors import ConfigError, ConnectError
 from fedsdk.pki import DevPki
 
-__all__ = ["LoopbackMosquitto", "find_mosquitto", "free_port"]
+__all__ = ["HOST", "LoopbackMosquitto", "accepting", "find_mosquitto", "free_port"]
 
 HOST = "127.0.0.1"
 
@@ -48,7 +51,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _accepting(port: int) -> bool:
+def accepting(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` (0.2 s connect timeout)."""
     try:
         with socket.create_connection((HOST, port), timeout=0.2):
             return True
@@ -62,7 +66,7 @@ class LoopbackMosquitto:
     def __init__(self, directory: Path, *, tls: DevPki | None = None, max_queued: int = 100_000) -> None:
         binary = find_mosquitto()
         if binary is None:
-            raise ConfigError("the load test needs mosquitto 2 (apt-get install mosquitto)")
+            raise ConfigError("this needs mosquitto 2 (apt-get install mosquitto)")
         if max_queued < 1:
             raise ConfigError("max_queued must be at least 1")
         self.binary = binary
@@ -84,7 +88,7 @@ class LoopbackMosquitto:
 
     def config_text(self, port: int) -> str:
         lines = [
-            "# written by fedsdk.loadtest",
+            "# written by fedsdk.mosquitto",
             "per_listener_settings false",
             "persistence false",
             "log_dest stderr",
@@ -132,7 +136,7 @@ class LoopbackMosquitto:
                 )
             deadline = time.monotonic() + ready_timeout
             while time.monotonic() < deadline and self._proc.poll() is None:
-                if _accepting(self.port):
+                if accepting(self.port):
                     return
                 time.sleep(0.05)
             in_use = "Address already in use" in self.log_text()
