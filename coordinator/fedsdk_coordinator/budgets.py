@@ -43,7 +43,8 @@ class DeviceCapacity:
     federation's backend with fresh randomness (cold); ``train_s`` local training time of one round;
     ``compute`` the paper's v_i (CPU clock × cores, e.g. 2.4 × 4) when known; ``pool_values`` how many values
     the device can encrypt from its precomputed obfuscator pool (obfuscators × values per ciphertext), each at
-    the warm cost of about one modular multiplication per ciphertext.
+    the warm cost of about one modular multiplication per ciphertext; ``decrypt_values_per_s`` its measured
+    decryption throughput of an aggregate (key mode ``shared``; ``None`` until measured).
     """
 
     client_id: str
@@ -52,6 +53,7 @@ class DeviceCapacity:
     train_s: float = 0.0
     compute: float | None = None
     pool_values: int = 0
+    decrypt_values_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.client_id:
@@ -61,6 +63,8 @@ class DeviceCapacity:
         _positive("train_s", self.train_s, allow_zero=True)
         if self.compute is not None:
             _positive("compute", self.compute)
+        if self.decrypt_values_per_s is not None:
+            _positive("decrypt_values_per_s", self.decrypt_values_per_s)
         if self.pool_values < 0:
             raise ConfigError(f"pool_values must be non-negative, got {self.pool_values}")
 
@@ -118,6 +122,8 @@ class DeadlineBudget:
     if none does); ``predicted_s`` the modelled round time at ``alpha``; ``status``: ``"full"`` (α = 1 fits),
     ``"partial"`` (0 ≤ α < 1 fits), ``"floor"`` (the floor is above what fits: the device will be late),
     ``"infeasible"`` (the device misses the deadline whatever it encrypts, even sending plaintext only).
+    ``decrypt_s`` is the modelled decryption of the cluster's union (0 when decryption is not counted), part
+    of ``predicted_s``.
     """
 
     client_id: str
@@ -125,6 +131,7 @@ class DeadlineBudget:
     alpha_max: float | None
     predicted_s: float
     status: DeadlineStatus
+    decrypt_s: float = 0.0
 
     @property
     def meets_deadline(self) -> bool:
@@ -167,6 +174,7 @@ def deadline_plan(
     plain_bytes_per_value: float,
     encrypt_s_per_value_warm: float | None = None,
     floor: float = 0.0,
+    union_factor: float | None = None,
 ) -> dict[str, DeadlineBudget]:
     """Deadline budgets with diagnostics (ours; DESIGN.md step 3). For each device, with k = α·n encrypted:
 
@@ -177,8 +185,21 @@ def deadline_plan(
     closed form (no bisection). α = k/n clipped to [``floor``, 1]. Decisions: the steps are modelled as
     sequential (no overlap of encryption and upload, which errs towards meeting the deadline); the pool counts
     only when ``encrypt_s_per_value_warm`` is given (without a measured warm cost, assuming one would risk
-    straggling); download and decryption come after the deadline and are not counted. Per-value bytes and
-    costs are averages: with packed backends pass the ciphertext bytes and time divided by the slots.
+    straggling); download is not counted. Per-value bytes and costs are averages: with packed backends pass
+    the ciphertext bytes and time divided by the slots.
+
+    **Decryption** (key mode ``shared``, ``union_factor`` given): every device of the cluster then decrypts
+    the *union* of the cluster's masks, so the slowest decrypter pays for what the fastest encrypts (paper
+    000 appendix I: "the decryption time would be dictated by the slowest device"). The union is modelled
+    as U(K) = min(n, ``union_factor`` · K) for a cluster-wide cap K on the values any device encrypts
+    (``union_factor`` ≥ 1: the measured union ÷ the largest single mask; masks of one cluster overlap). K is
+    the largest cap with which every device that can finish at all (train and upload the plaintext update
+    by the deadline) can encrypt K values *and* decrypt U(K) in time, T_i(K) + U(K) / d_i ≤ deadline with
+    d_i = ``decrypt_values_per_s`` (monotone in K: bisection); each device then gets k_i = min(K, the largest
+    k with T_i(k) + U(K) / d_i ≤ deadline). Devices without a measured d_i do not constrain K and pay no
+    modelled decryption (the first HE round measures it). Decision: the deadline is the whole round's, so
+    a cluster whose slowest device has no slack gets K ≈ 0, and the mask solver's security floor (eq. 7)
+    then decides what is encrypted; the plan says so instead of budgets nobody can keep.
     """
     _check_unique(devices)
     if n_values < 1:
@@ -190,12 +211,46 @@ def deadline_plan(
         _positive("encrypt_s_per_value_warm", encrypt_s_per_value_warm, allow_zero=True)
     if not 0.0 <= floor <= 1.0:
         raise ConfigError(f"floor must be in [0, 1], got {floor}")
+    if union_factor is not None and not (math.isfinite(union_factor) and union_factor >= 1.0):
+        raise ConfigError(f"union_factor must be at least 1, got {union_factor}")
     n, c, p = n_values, cipher_bytes_per_value, plain_bytes_per_value
+    t_warm = encrypt_s_per_value_warm or 0.0
+
+    def warm_of(d: DeviceCapacity) -> int:
+        return min(d.pool_values, n) if encrypt_s_per_value_warm is not None else 0
+
+    cap, union = float(n), 0.0
+    if union_factor is not None:
+        factor = union_factor
+        # devices that can finish at all (plaintext by the deadline) and whose decryption speed is known
+        binding = [
+            d
+            for d in devices
+            if d.decrypt_values_per_s is not None
+            and _round_time(d, 0.0, n, p, c, warm_of(d), t_warm) <= deadline_s
+        ]
+
+        def fits(k: float) -> bool:
+            u = min(float(n), factor * k)
+            return all(
+                _round_time(d, k, n, p, c, warm_of(d), t_warm) + u / d.decrypt_values_per_s <= deadline_s  # type: ignore[operator]
+                for d in binding
+            )
+
+        if binding and not fits(float(n)):
+            lo, hi = 0.0, float(n)  # fits(0) holds: every binding device finishes in plaintext
+            for _ in range(60):  # T_i and U grow with k: bisection to well below one value
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            cap = lo
+        union = min(float(n), factor * cap)
     plan: dict[str, DeadlineBudget] = {}
     for d in devices:
-        warm = min(d.pool_values, n) if encrypt_s_per_value_warm is not None else 0
-        t_warm = encrypt_s_per_value_warm or 0.0
-        k = _max_values(d, deadline_s, n, p, c, warm, t_warm)
+        warm = warm_of(d)
+        dec_s = union / d.decrypt_values_per_s if union_factor is not None and d.decrypt_values_per_s else 0.0
+        k = _max_values(d, deadline_s - dec_s, n, p, c, warm, t_warm) if deadline_s > dec_s else None
+        if k is not None:
+            k = min(k, cap)
         alpha_max = None if k is None else min(max(k / n, 0.0), 1.0)
         status: DeadlineStatus
         if alpha_max is None:
@@ -204,8 +259,8 @@ def deadline_plan(
             alpha, status = floor, "floor"
         else:
             alpha, status = alpha_max, "full" if alpha_max >= 1.0 else "partial"
-        predicted = _round_time(d, alpha * n, n, p, c, warm, t_warm)
-        plan[d.client_id] = DeadlineBudget(d.client_id, alpha, alpha_max, predicted, status)
+        predicted = _round_time(d, alpha * n, n, p, c, warm, t_warm) + dec_s
+        plan[d.client_id] = DeadlineBudget(d.client_id, alpha, alpha_max, predicted, status, dec_s)
     return plan
 
 
@@ -218,6 +273,7 @@ def deadline_budgets(
     plain_bytes_per_value: float,
     encrypt_s_per_value_warm: float | None = None,
     floor: float = 0.0,
+    union_factor: float | None = None,
 ) -> dict[str, float]:
     """α per device from :func:`deadline_plan` (use that to see which devices cannot meet the deadline)."""
     plan = deadline_plan(
@@ -228,5 +284,6 @@ def deadline_budgets(
         plain_bytes_per_value=plain_bytes_per_value,
         encrypt_s_per_value_warm=encrypt_s_per_value_warm,
         floor=floor,
+        union_factor=union_factor,
     )
     return {k: v.alpha for k, v in plan.items()}

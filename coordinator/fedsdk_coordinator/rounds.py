@@ -146,6 +146,7 @@ class _RoundState:
     reports: dict[str, Report] = field(default_factory=dict)
     tasked: set[str] = field(default_factory=set)  # sent the task since their last hello
     collecting: bool = True  # still taking replies (False once aggregation starts)
+    union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reported: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -174,6 +175,7 @@ class _Measured:
     train_s: float = 0.0
     compute: float | None = None
     pool_values: int = 0
+    decrypt_values_per_s: float | None = None  # of an aggregate's union (key mode shared), from reports
 
     def blend(self, name: str, value: float, weight: float = 0.5) -> None:
         old = getattr(self, name)
@@ -245,6 +247,8 @@ class RoundEngine:
         self._outbox: deque[tuple[str, bytes, bool]] = deque()
         self._outbox_ready = asyncio.Event()
         self._last_aggregate: dict[int, tuple[str, bytes]] = {}
+        # per cluster: the union of the masks ÷ the largest single mask, measured (deadline budgets)
+        self._union_factor: dict[int, float] = {}
         self.resent = 0  # identical re-sends of a reply already held (after a re-request)
         self._eval_model = OnnxModel.from_bundle(bundle)
         self._eval_data = eval_data
@@ -433,6 +437,9 @@ class RoundEngine:
         up_s = msg.metrics.get("upload_s", 0.0)
         if isinstance(reply, EncryptedUpdate) and up_s > 0:
             m.blend("uplink_bytes_per_s", (len(reply.ciphertexts) + len(reply.plaintexts)) / up_s)
+        dec_s = msg.metrics.get("decrypt_s", 0.0)
+        if self.he is not None and self.config.key_mode == "shared" and rnd.union_packs and dec_s > 0:
+            m.blend("decrypt_values_per_s", rnd.union_packs * self.he.pack_size / dec_s)
         if set(rnd.reports) >= {c for c, r in rnd.replies.items() if not isinstance(r, Error)}:
             rnd.reported.set()
 
@@ -518,7 +525,7 @@ class RoundEngine:
                 m.blend("he_values_per_s", cold * self.he.pack_size / enc_s)
 
     # -- budgets (paper 000 §3.2, and ours) -------------------------------------------------------
-    def _budgets(self, members: Sequence[str]) -> dict[str, float]:
+    def _budgets(self, members: Sequence[str], cluster_id: int) -> dict[str, float]:
         kind = self.strategy.budgets
         if kind == "none":
             return dict.fromkeys(members, 0.0)
@@ -536,6 +543,8 @@ class RoundEngine:
             return sensecrypt_budgets(caps)
         assert self.he is not None
         ct = self.he.ciphertext_nbytes or 80 * self.he.pack_size
+        # key mode shared: every device decrypts the cluster's union, so it counts (budgets.py)
+        shared = self.config.key_mode == "shared"
         return deadline_budgets(
             caps,
             n_values=self.n_values,
@@ -543,6 +552,7 @@ class RoundEngine:
             cipher_bytes_per_value=ct / self.he.pack_size,
             plain_bytes_per_value=self.he.plaintext_nbytes / self.he.pack_size,
             floor=self.config.budget_floor,
+            union_factor=self._union_factor.get(cluster_id, 1.0) if shared else None,
         )
 
     def _capacity(self, client_id: str) -> DeviceCapacity:
@@ -554,6 +564,7 @@ class RoundEngine:
             train_s=m.train_s,
             compute=m.compute,
             pool_values=m.pool_values,
+            decrypt_values_per_s=m.decrypt_values_per_s,
         )
 
     # -- the loop -----------------------------------------------------------------------------
@@ -716,7 +727,7 @@ class RoundEngine:
             groups.setdefault(self.clusters.get(cid, 0), []).append(cid)
         now = time.monotonic()
         rounds = [
-            _RoundState(round_id, k, set(members), now, budgets=self._budgets(members))
+            _RoundState(round_id, k, set(members), now, budgets=self._budgets(members, k))
             for k, members in sorted(groups.items())
         ]
         self.store.plan_round(
@@ -870,6 +881,10 @@ class RoundEngine:
         )
         metrics["aggregate_s"] = time.perf_counter() - t0
         metrics["union_ratio"] = float(np.asarray(he_agg.mask).mean())
+        rnd.union_packs = int(np.asarray(he_agg.mask).sum())
+        largest = max(int(np.asarray(u.pack_mask).sum()) for u in ordered)
+        if largest:
+            self._union_factor[rnd.cluster_id] = max(1.0, rnd.union_packs / largest)
         total = sum(u.num_samples for u in ordered)
         msg = pipeline.message_from_he_aggregate(
             he_agg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, total_samples=total, metrics={}

@@ -221,3 +221,75 @@ def test_bad_inputs_are_refused() -> None:
             deadline_budgets([dev], **{**args, **over})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unique"):
         sensecrypt_budgets([dev, dev])
+
+
+# -- decryption of the cluster's union (key mode shared) ---------------------------------------------------
+
+
+def test_union_decryption_caps_every_device_by_hand() -> None:
+    # n = 1000 values, plaintext 4 B/value, ciphertext 10 B/value, uplink 1e5 B/s: plaintext upload 0.04 s.
+    # fast: train 0.1 s, encrypts 1e4 values/s, decrypts 2e4 values/s. slow: train 0.8 s, decrypts 1e3/s.
+    # Deadline 1 s, union factor 2: slow must encrypt K and decrypt 2K in its slack of 1 - 0.84 = 0.16 s:
+    # K (1/1e4 encrypt + 6/1e5 more upload + 2/1e3 decrypt) = 0.16 -> K = 74.07 values, U = 148.15.
+    fast = DeviceCapacity("fast", 1e5, 1e4, train_s=0.1, decrypt_values_per_s=2e4)
+    slow = DeviceCapacity("slow", 1e5, 1e4, train_s=0.8, decrypt_values_per_s=1e3)
+    kw: dict[str, Any] = dict(
+        n_values=1000, deadline_s=1.0, cipher_bytes_per_value=10, plain_bytes_per_value=4, union_factor=2.0
+    )
+    plan = deadline_plan([fast, slow], **kw)
+    k = 0.16 / (1e-4 + 6e-5 + 2e-3)
+    assert plan["fast"].alpha == pytest.approx(k / 1000) and plan["slow"].alpha == pytest.approx(k / 1000)
+    assert plan["fast"].decrypt_s == pytest.approx(2 * k / 2e4) and plan["slow"].decrypt_s == pytest.approx(
+        2 * k / 1e3
+    )
+    assert plan["slow"].predicted_s == pytest.approx(1.0) and plan["slow"].status == "partial"
+    # without counting decryption the fast device would encrypt everything it can in 1 s
+    assert deadline_budgets([fast, slow], **{**kw, "union_factor": None})["fast"] == 1.0
+
+
+def test_unmeasured_or_hopeless_devices_do_not_hold_the_cluster_back() -> None:
+    kw: dict[str, Any] = dict(
+        n_values=1000, deadline_s=1.0, cipher_bytes_per_value=10, plain_bytes_per_value=4, union_factor=1.5
+    )
+    fast = DeviceCapacity("fast", 1e5, 1e4, train_s=0.1, decrypt_values_per_s=1e5)
+    unmeasured = DeviceCapacity("new", 1e5, 1e4, train_s=0.5)
+    hopeless = DeviceCapacity("late", 1e5, 1e4, train_s=2.0, decrypt_values_per_s=10.0)
+    plan = deadline_plan([fast, unmeasured, hopeless], **kw)
+    assert plan["fast"].status == "full" and plan["new"].decrypt_s == 0.0
+    assert plan["late"].status == "infeasible" and plan["late"].alpha == 0.0
+    with pytest.raises(ConfigError):
+        deadline_plan([fast], **{**kw, "union_factor": 0.5})
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 2.0), st.floats(10.0, 1e5), st.floats(10.0, 1e5), st.floats(1e3, 1e7)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.floats(1.0, 4.0),
+    st.floats(0.2, 3.0),
+)
+def test_with_union_decryption_every_feasible_device_finishes_in_time(
+    devs: list[tuple[float, float, float, float]], factor: float, deadline: float
+) -> None:
+    devices = [
+        DeviceCapacity(f"d{i}", up, enc, train_s=t, decrypt_values_per_s=dec)
+        for i, (t, enc, dec, up) in enumerate(devs)
+    ]
+    n = 500
+    kw: dict[str, Any] = dict(
+        n_values=n, deadline_s=deadline, cipher_bytes_per_value=10, plain_bytes_per_value=4
+    )
+    plan = deadline_plan(devices, union_factor=factor, **kw)
+    ks = [b.alpha * n for b in plan.values() if b.meets_deadline]
+    union = min(n, factor * max(ks, default=0.0))
+    for d in devices:
+        b = plan[d.client_id]
+        if b.meets_deadline:  # it can encrypt its share and decrypt the union its peers' shares make
+            assert b.predicted_s <= deadline + 1e-9
+            assert b.decrypt_s + 1e-12 >= union / d.decrypt_values_per_s  # type: ignore[operator]
+    without = deadline_plan(devices, **kw)
+    for cid, b in plan.items():  # counting decryption never raises a budget
+        assert b.alpha <= without[cid].alpha + 1e-12
