@@ -889,7 +889,7 @@ class RoundEngine:
         msg = pipeline.message_from_he_aggregate(
             he_agg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, total_samples=total, metrics={}
         )
-        envelope = encode(msg)  # type: ignore[arg-type]  # registered; the Message alias omits it
+        envelope = encode(msg)
         self.store.save_encrypted(rnd.cluster_id, rnd.round_id, envelope)  # before it is published
         await self._publish_aggregate(rnd.cluster_id, envelope, encrypted=True)
         return metrics, len(ordered), total

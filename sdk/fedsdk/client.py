@@ -308,11 +308,11 @@ class FedClient:
         return time.perf_counter() - t0, len(payload)
 
     async def _publish(self, kind: str, msg: BaseMessage) -> tuple[float, int]:
-        return await self._send(kind, encode(msg))  # type: ignore[arg-type]  # every message encodes
+        return await self._send(kind, encode(msg))
 
     async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
         """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
-        payload = encode(msg)  # type: ignore[arg-type]
+        payload = encode(msg)
         self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
         return await self._send(kind, payload)
 

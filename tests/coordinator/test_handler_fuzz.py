@@ -477,3 +477,47 @@ def test_malformed_encrypted_update_is_rejected_on_receipt(
         assert (record.state, record.num_clients) == ("done", 2), "the round did not survive it"
     finally:
         live.close()
+
+
+def test_reports_measure_each_devices_decryption_of_the_union(tmp_path: Path, device_he: HEBackend) -> None:
+    """Key mode shared: the aggregate's union is what every device decrypts; the engine learns each device's
+    decryption speed from its report and the cluster's union ÷ largest mask (deadline budgets use both)."""
+    public = load_backend("packed", device_he.params, device_he.public_bytes())
+    live = Live(tmp_path / "h.sqlite", strategy="fedsdk", he=public, deadline_s=60)
+    try:
+        n = live.engine.n_values
+        packs = device_he.num_packs(n)
+        for i, cid in enumerate(DEVICES):  # disjoint masks: every third pack, offset by the device
+            values = np.random.default_rng(i).uniform(-0.05, 0.05, n)
+            mask = np.zeros(packs, dtype=bool)
+            mask[i::3] = True
+            contribution, _ = device_he.encrypt_update(values, 10, mask)
+            msg = message_from_contribution(
+                contribution,
+                client_id=cid,
+                round_id=1,
+                cluster_id=0,
+                num_samples=10,
+                metrics={"train_s": 0.1},
+            )
+            live.engine.handle(T.up(FED, cid, T.UPDATE), encode(msg))
+
+        async def until_aggregate() -> None:
+            deadline = time.monotonic() + 60
+            while not any("/cluster/" in t for t, _ in live.published):
+                if time.monotonic() > deadline or live.task.done():
+                    raise AssertionError(f"no aggregate was published: {live.engine.state}")
+                await asyncio.sleep(0.005)
+
+        live.loop.run_until_complete(until_aggregate())
+        for cid, seconds in zip(DEVICES, (0.5, 1.0, 2.0), strict=True):
+            report = Report(cid, 1, 0, {"decrypt_s": seconds, "upload_s": 0.01})
+            live.engine.handle(T.up(FED, cid, T.REPORT), encode(report))
+        live.finish()
+        largest = max(len(range(i, packs, 3)) for i in range(3))
+        assert live.engine._union_factor[0] == pytest.approx(packs / largest)
+        for cid, seconds in zip(DEVICES, (0.5, 1.0, 2.0), strict=True):
+            measured = live.engine.measured[cid].decrypt_values_per_s
+            assert measured == pytest.approx(packs * device_he.pack_size / seconds)
+    finally:
+        live.close()

@@ -87,7 +87,7 @@ def _section(a: np.ndarray) -> tuple[list[Any], memoryview]:
     return [a.dtype.name, list(a.shape), le.nbytes], le.reshape(-1).view(np.uint8).data
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: BaseMessage) -> bytes:
     """Serialise a message into one envelope. Receivers' :class:`Limits` are not checked here."""
     if not isinstance(msg, BaseMessage) or message_class(int(msg.KIND)) is not type(msg):
         raise ValidationError("bad_kind", f"not a registered message: {type(msg).__name__}")
