@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedsdk.mosquitto import HOST, find_mosquitto, free_port
+from fedsdk.mosquitto import HOST, find_mosquitto, free_port, terminate
 from fedsdk.mosquitto import accepting as _accepting
 from fedsdk.pki import DevPki
 
@@ -107,14 +107,7 @@ class MosquittoProcess:
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait, SIGKILL if it does not exit in ``timeout``. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        terminate(proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL (a crash: no clean shutdown)."""

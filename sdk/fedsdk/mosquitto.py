@@ -31,7 +31,7 @@ from pathlib import Path
 from fedsdk.errors import ConfigError, ConnectError
 from fedsdk.pki import DevPki
 
-__all__ = ["HOST", "LoopbackMosquitto", "accepting", "find_mosquitto", "free_port"]
+__all__ = ["HOST", "LoopbackMosquitto", "accepting", "find_mosquitto", "free_port", "terminate"]
 
 HOST = "127.0.0.1"
 
@@ -58,6 +58,18 @@ def accepting(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
+    """SIGTERM ``proc``, wait ``timeout``, then SIGKILL; nothing if it is None or has exited."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
 
 
 class LoopbackMosquitto:
@@ -148,14 +160,7 @@ class LoopbackMosquitto:
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, wait ``timeout``, SIGKILL. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        terminate(proc, timeout)
 
     def __enter__(self) -> LoopbackMosquitto:
         self.start()
