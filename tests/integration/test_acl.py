@@ -18,6 +18,8 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ import pytest
 
 from brokers import BrokerStartError, MosquittoProcess, find_mosquitto, free_port
 from fedsdk.errors import ConnectError, TransportError
+from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.pki import make_dev_pki
 from fedsdk.provision import Kit, fleet_from_mapping, load_kit, provision, revoke_device
 from fedsdk.transport import Message, MqttTransport, TlsConfig
@@ -257,6 +260,50 @@ async def test_connections_without_a_fleet_certificate_are_refused(fb: FleetBrok
             pass
     async with connect(kit) as a:  # control: the kit itself connects
         assert a.t.connected
+
+
+async def test_a_federation_runs_from_the_kits_alone(fb: FleetBroker, tmp_path: Path) -> None:
+    """``fedsdk coordinator --kit``, ``fedsdk keyserver --kit`` and ``fedsdk join --kit``: with nothing but
+    their kits (and each device's data) the processes find the broker, authenticate with mutual TLS under
+    the generated ACL, and run HE rounds (key mode ``keyserver``) to the end."""
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, len(DEVICES), seed=1)
+    data = {}
+    for cid, idx in zip(DEVICES, part.indices, strict=True):
+        data[cid] = tmp_path / f"{cid}.npz"
+        save_npz(data[cid], digits.x_train[idx], digits.y_train[idx])
+    fedsdk = [sys.executable, "-m", "fedsdk"]
+    coordinator_cmd = [
+        *fedsdk, "coordinator", "--kit", str(fb.root / "coordinator"), "--http", f"127.0.0.1:{free_port()}",
+        "--strategy", "fedsdk", "--clustering", "off", "--model", "mlp16", "--rounds", "2",
+        "--min-clients", "3", "--start-clients", "3", "--exit-when-done",
+        "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = {name: tmp_path / f"{name}.log" for name in ("coordinator", "keyserver", *DEVICES)}
+
+    def spawn(name: str, cmd: list[str]) -> None:
+        with open(logs[name], "wb") as f:
+            procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+    try:
+        spawn("coordinator", coordinator_cmd)
+        spawn("keyserver", [*fedsdk, "keyserver", "--kit", str(fb.root / "keyserver"), "--timeout", "170"])
+        for cid in DEVICES:
+            kit = str(fb.root / "devices" / cid)
+            spawn(cid, [*fedsdk, "join", "--kit", kit, "--data", str(data[cid]), "--timeout", "170"])
+        loop = asyncio.get_running_loop()
+        code = await loop.run_in_executor(None, procs["coordinator"].wait, 180)
+        out = logs["coordinator"].read_text(errors="replace")
+        assert code == 0, out[-4000:] + logs["keyserver"].read_text(errors="replace")[-2000:]
+        assert "federation finished after round 2" in out, out[-4000:]
+        for cid in DEVICES:
+            assert await loop.run_in_executor(None, procs[cid].wait, 60) == 0, logs[cid].read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
 
 
 async def test_a_revoked_device_is_refused_after_reload(fb: FleetBroker, tmp_path: Path) -> None:

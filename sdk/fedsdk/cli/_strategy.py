@@ -11,7 +11,12 @@ STRATEGIES = ("plaintext", "plain-he", "maskcrypt", "sensecrypt", "fedsdk")
 def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintext") -> None:
     g = p.add_argument_group("privacy strategy")
     g.add_argument("--strategy", default=default, choices=STRATEGIES, help="see docs/strategies.md")
-    g.add_argument("--key-mode", default="shared", choices=["shared", "keyserver"])
+    g.add_argument(
+        "--key-mode",
+        default=None,
+        choices=["shared", "keyserver"],
+        help="who decrypts aggregates: the devices (shared, the default; a kit's mode wins) or a key server",
+    )
     g.add_argument(
         "--clustering", choices=["auto", "on", "off"], default="auto", help="auto: as the strategy does"
     )
@@ -25,7 +30,7 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """RoundConfig fields from the options above."""
     return {
         "strategy": args.strategy,
-        "key_mode": args.key_mode,
+        "key_mode": args.key_mode or "shared",
         "clustering": None if args.clustering == "auto" else args.clustering == "on",
         "dp_epsilon": args.dp_epsilon,
         "uniform_budget": args.uniform_budget,

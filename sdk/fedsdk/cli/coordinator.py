@@ -4,6 +4,10 @@ Without ``--broker`` it starts the embedded amqtt broker. TLS is on by default: 
 options a development PKI (CA, broker and coordinator certificates, and one certificate per device named
 with ``--devices``) is made once in ``<state-dir>/pki`` and reused after.
 
+With ``--kit DIR`` (the coordinator kit from ``fedsdk provision``) the broker URL, federation, key mode,
+certificates, HE public key and dashboard address come from the kit; options given on the command line
+still win. A kit never holds the HE secret (``load_kit`` refuses one in a coordinator kit).
+
 The state (SQLite) lives in ``--state-dir``: started again on the same directory after a crash, the
 coordinator resumes the round in progress (docs/operations.md, "Crash and restart").
 """
@@ -28,8 +32,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("coordinator", help="run the coordinator", description=__doc__)
     p.add_argument("--broker", help="external broker URL (mosquitto, EMQX); default: the embedded broker")
     p.add_argument("--listen", default="127.0.0.1:8883", help="embedded broker address (HOST:PORT)")
-    p.add_argument("--http", default="127.0.0.1:8080", help="REST API and dashboard address (HOST:PORT)")
-    p.add_argument("--federation", default="default")
+    p.add_argument("--kit", metavar="DIR", help="coordinator kit made by 'fedsdk provision'")
+    p.add_argument(
+        "--http", default=None, help="REST API and dashboard address (HOST:PORT; default 127.0.0.1:8080)"
+    )
+    p.add_argument("--federation", default=None, help="federation id (default: the kit's, else 'default')")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--min-clients", type=int, default=2, help="quorum to start and to aggregate a round")
     p.add_argument(
@@ -59,10 +66,35 @@ def _split(hostport: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _apply_kit(args: argparse.Namespace) -> None:
+    """Fill the options the command line left open from ``--kit`` (the command line wins)."""
+    from fedsdk.provision import load_kit
+
+    kit = load_kit(args.kit)
+    if kit.role != "coordinator":
+        raise ConfigError(f"{args.kit} is a {kit.role} kit; the coordinator needs the coordinator kit")
+    if args.broker is None:
+        args.broker = kit.broker_url
+    if args.federation is None:
+        args.federation = kit.federation
+    if args.http is None and kit.http:
+        args.http = kit.http
+    if args.he is None:
+        args.he = str(kit.he_public_file.parent)
+    if not (args.ca or args.insecure):
+        args.ca, args.cert, args.key = str(kit.ca_file), str(kit.cert_file), str(kit.key_file)
+    if args.key_mode is None:
+        args.key_mode = kit.key_mode
+
+
 def run(args: argparse.Namespace) -> int:
     co = import_coordinator()
     from fedsdk.pki import make_dev_pki
 
+    if args.kit:
+        _apply_kit(args)
+    args.federation = args.federation or "default"
+    args.http = args.http or "127.0.0.1:8080"
     state_dir = Path(args.state_dir)
     host, port = _split(args.listen)
     embedded = None

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.rounds < 1:
         print("fedsdk demo: --clients and --rounds must be at least 1", file=sys.stderr)
         return 2
+    args.key_mode = args.key_mode or "shared"
     co = import_coordinator()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)

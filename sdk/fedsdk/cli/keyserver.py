@@ -1,4 +1,8 @@
-"""``fedsdk keyserver <broker URL>``: hold the HE secret key apart from the coordinator (paper 000 app. I)."""
+"""``fedsdk keyserver <broker URL>``: hold the HE secret key apart from the coordinator (paper 000 app. I).
+
+With ``--kit DIR`` (the key-server kit from ``fedsdk provision``, key mode ``keyserver``) the broker URL,
+federation, client id, certificates and HE key pair come from the kit; options given still win.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ from fedsdk.cli._common import add_tls_options, tls_from_args
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("keyserver", help="decrypt cluster aggregates for the devices", description=__doc__)
-    p.add_argument("broker", help="broker URL, e.g. mqtts://broker.local:8883")
-    p.add_argument("--he", metavar="DIR", required=True, help="HE key folder with the secret key")
-    p.add_argument("--federation", default="default")
-    p.add_argument("--client-id", default="keyserver")
+    p.add_argument("broker", nargs="?", help="broker URL, e.g. mqtts://broker.local:8883 (or from --kit)")
+    p.add_argument("--kit", metavar="DIR", help="key-server kit made by 'fedsdk provision'")
+    p.add_argument("--he", metavar="DIR", help="HE key folder with the secret key (or from --kit)")
+    p.add_argument("--federation", default=None, help="default: the kit's, else 'default'")
+    p.add_argument("--client-id", default=None, help="default: the kit's, else 'keyserver'")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
     add_tls_options(p)
     p.set_defaults(func=run)
@@ -22,12 +27,29 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fedsdk.cli._coord import import_coordinator
+    from fedsdk.errors import ConfigError
     from fedsdk.hekeys import load_he
     from fedsdk.transport import MqttTransport
 
     import_coordinator()
     from fedsdk_coordinator.keyserver import KeyServer
 
+    if args.kit:
+        from fedsdk.provision import load_kit
+
+        kit = load_kit(args.kit)
+        if kit.role != "keyserver":
+            raise ConfigError(f"{args.kit} is a {kit.role} kit; the key server needs the keyserver kit")
+        args.broker = args.broker or kit.broker_url
+        args.federation = args.federation or kit.federation
+        args.client_id = args.client_id or kit.client_id
+        args.he = args.he or str(kit.he_public_file.parent)
+        if not (args.ca or args.insecure):
+            args.ca, args.cert, args.key = str(kit.ca_file), str(kit.cert_file), str(kit.key_file)
+    if not args.broker or not args.he:
+        raise ConfigError("give the broker URL and --he, or --kit")
+    args.federation = args.federation or "default"
+    args.client_id = args.client_id or "keyserver"
     he = load_he(args.he)
     tls = tls_from_args(args)
 
