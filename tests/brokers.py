@@ -10,18 +10,24 @@ Used by the whole suite (see ``tests/conftest.py`` for the fixtures built on the
 * :func:`start_amqtt` runs amqtt 0.12's ``Broker`` inside the test's event loop. amqtt 0.12 hard-codes
   ``ssl.CERT_OPTIONAL`` on TLS listeners: a client certificate from another CA fails the handshake, but a
   client *without* a certificate is accepted by TLS. ``require_client_cert=True`` replaces anonymous auth by
-  :class:`RequireClientCertPlugin`, which refuses (CONNACK "not authorized") a session without a verified
-  peer certificate or whose certificate CN is not the MQTT client id.
+  the embedded broker's ``CertificateIdentity`` plugin, which refuses (CONNACK "not authorized") a session
+  without a verified peer certificate or whose certificate CN is not the MQTT client id.
+* :class:`EmbeddedBrokerThread` runs the coordinator's :class:`EmbeddedBroker` (identities, fleet ACL,
+  CRL) on an event loop of its own in a thread, so a module-scoped fixture can share it between tests.
 
 Nothing here mocks a broker: tests talk MQTT over real sockets on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
+import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,8 +41,8 @@ from fedsdk.pki import DevPki
 __all__ = [
     "AmqttBroker",
     "BrokerStartError",
+    "EmbeddedBrokerThread",
     "MosquittoProcess",
-    "RequireClientCertPlugin",
     "find_mosquitto",
     "free_port",
     "start_amqtt",
@@ -201,31 +207,6 @@ def start_mosquitto(
 
 
 # ---------------------------------------------------------------------------------------------- amqtt
-try:
-    from amqtt.plugins.base import BaseAuthPlugin as _AuthBase
-except ImportError:  # amqtt is in the coordinator extra; mosquitto tests do not need it
-    _AuthBase = object  # type: ignore[assignment,misc]
-
-
-class RequireClientCertPlugin(_AuthBase):  # type: ignore[misc,valid-type]
-    """amqtt auth plugin: accept a session only with a verified client certificate whose CN is its client id.
-
-    amqtt verifies a presented certificate against the listener's ``cafile`` (CERT_OPTIONAL), so a
-    certificate that reached this plugin already chains to our CA; we require that one exists and that its
-    CN (what mosquitto's ``use_identity_as_username`` uses) is the MQTT client id. amqtt's own
-    ``amqtt.contrib.cert.UserAuthCertPlugin`` does the same with the URI SAN, but ``amqtt.contrib`` needs
-    SQLAlchemy, which fedsdk does not install.
-    """
-
-    async def authenticate(self, *, session: Any) -> bool | None:
-        ssl_object = getattr(session, "ssl_object", None)
-        cert = ssl_object.getpeercert() if ssl_object is not None else None
-        if not cert:
-            return False
-        cns = [v for rdn in cert.get("subject", ()) for (k, v) in rdn if k == "commonName"]
-        return bool(cns) and cns[0] == session.client_id
-
-
 @dataclass(frozen=True)
 class AmqttBroker:
     host: str
@@ -257,7 +238,8 @@ async def start_amqtt(
     if require_client_cert:
         if tls is None:
             raise ValueError("require_client_cert needs tls")
-        plugins = {f"{RequireClientCertPlugin.__module__}.RequireClientCertPlugin": {}}
+        # the embedded broker's own identity check, with an ACL that lets every identity do anything
+        plugins = {"fedsdk_coordinator.broker_plugins.CertificateIdentity": {"acl": "pattern readwrite #"}}
     last: Exception | None = None
     for _ in range(3):
         port = free_port()
@@ -274,3 +256,53 @@ async def start_amqtt(
             await broker.shutdown()
         return
     raise BrokerStartError(f"amqtt did not start: {last}")
+
+
+class EmbeddedBrokerThread:
+    """The coordinator's :class:`~fedsdk_coordinator.broker.EmbeddedBroker` on its own event loop and thread.
+
+    ``log_text()`` is what its loggers (amqtt and ``fedsdk_coordinator.broker``) wrote since the start.
+    """
+
+    def __init__(self, config: Any, **kw: Any) -> None:
+        from fedsdk_coordinator.broker import EmbeddedBroker
+
+        self.broker = EmbeddedBroker(config, **kw)
+        self.port = config.port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="embedded-broker", daemon=True)
+        self._log = io.StringIO()
+        self._handler = logging.StreamHandler(self._log)
+        self._handler.setLevel(logging.INFO)
+        self._handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        self._loggers = [logging.getLogger("fedsdk_coordinator.broker"), logging.getLogger("amqtt")]
+
+    def _run(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self) -> None:
+        self._levels = [lg.level for lg in self._loggers]
+        for lg in self._loggers:
+            lg.addHandler(self._handler)
+            if lg.getEffectiveLevel() > logging.INFO:
+                lg.setLevel(logging.INFO)
+        self._thread.start()
+        try:
+            self._run(self.broker.start())
+        except Exception as exc:
+            self.stop()
+            raise BrokerStartError(str(exc)) from exc
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self._run(self.broker.stop())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        self._loop.close()
+        for lg, level in zip(self._loggers, getattr(self, "_levels", ()), strict=False):
+            lg.removeHandler(self._handler)
+            lg.setLevel(level)
+
+    def log_text(self) -> str:
+        return self._log.getvalue()

@@ -110,7 +110,8 @@ async def _broker_ctx(app: web.Application) -> AsyncIterator[None]:
         return
     if cfg.embedded is None:
         raise ConfigError("no broker URL and no embedded broker configuration")
-    async with EmbeddedBroker(cfg.embedded) as broker:
+    broker = EmbeddedBroker(cfg.embedded, federation=cfg.rounds.federation, key_mode=cfg.rounds.key_mode)
+    async with broker:
         app[BROKER_URL] = broker.url
         yield
 

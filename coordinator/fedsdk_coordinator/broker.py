@@ -3,8 +3,15 @@
 Real fleets use mosquitto or EMQX (DESIGN.md, Decisions): they are 3-5x faster and enforce ACLs. The
 embedded broker exists so that ``fedsdk demo`` and ``fedsdk coordinator`` run on a laptop with nothing else
 installed. With TLS it *requires* a client certificate signed by the fleet CA: amqtt 0.12 only asks for
-one (``CERT_OPTIONAL``), so :class:`EmbeddedBroker` tightens the SSL context to ``CERT_REQUIRED``.
-It does not enforce topic ACLs; the coordinator checks that an update's sender matches its topic.
+one (``CERT_OPTIONAL``), so :class:`EmbeddedBroker` tightens the SSL context to ``CERT_REQUIRED``. With
+``crl_file`` (``broker/crl.pem`` of the fleet directory, mosquitto's ``crlfile``) a revoked certificate is
+refused at connect; the file is re-read when it changes, so revoking needs no restart.
+
+With TLS it also enforces the fleet's ACL, the very text ``fedsdk provision`` writes for mosquitto
+(:func:`fedsdk.provision.mosquitto.render_acl` for the federation and key mode), through the plugins of
+:mod:`.broker_plugins`: identity = certificate CN = client id, publish/subscribe/delivery checked against
+the ACL, last-will topics checked at connect. ``insecure=True`` (no TLS, development only) has no
+identities and enforces nothing; the coordinator still checks that an update's sender matches its topic.
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ from __future__ import annotations
 import logging
 import ssl
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fedsdk.errors import ConfigError, ConnectError
+from fedsdk.provision.mosquitto import render_acl
+from fedsdk_coordinator.acl import RevocationList, parse_acl
 
 __all__ = ["EmbeddedBroker", "EmbeddedBrokerConfig"]
 
@@ -28,6 +38,8 @@ class EmbeddedBrokerConfig:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    crl_file: str | None = None
+    acl_file: str | None = None  # default: the fleet ACL rendered for the federation and key mode
     insecure: bool = False
 
     @property
@@ -79,14 +91,33 @@ def _make_broker_class() -> type[Any]:
 
 
 class EmbeddedBroker:
-    """An amqtt broker owned by the coordinator's startup context: ``async with EmbeddedBroker(cfg):``."""
+    """An amqtt broker owned by the coordinator's startup context: ``async with EmbeddedBroker(cfg):``.
 
-    def __init__(self, config: EmbeddedBrokerConfig) -> None:
+    ``federation`` and ``key_mode`` choose the ACL (the one ``fedsdk provision`` writes for mosquitto);
+    ``config.acl_file`` replaces it with a file in the same format (e.g. the fleet's ``broker/acl`` after
+    the operator added a line to it).
+    """
+
+    def __init__(
+        self, config: EmbeddedBrokerConfig, *, federation: str = "default", key_mode: str = "shared"
+    ) -> None:
         if not config.tls and not config.insecure:
             raise ConfigError("embedded broker: give a certificate and key for TLS, or insecure=True")
         if config.tls and not (config.key_file and config.ca_file):
             raise ConfigError("embedded broker: TLS needs ca_file, cert_file and key_file")
+        if config.crl_file is not None:
+            if not config.tls:
+                raise ConfigError("embedded broker: a CRL needs TLS")
+            RevocationList(config.crl_file, str(config.ca_file)).check()  # a clear error now, not at connect
         self.config = config
+        if config.acl_file is not None:
+            try:
+                self.acl = Path(config.acl_file).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"embedded broker: cannot read the ACL {config.acl_file}: {exc}") from exc
+        else:
+            self.acl = render_acl(federation, key_mode=key_mode)
+        parse_acl(self.acl)  # a clear error now, not in amqtt's plugin loader
         self._broker: Any = None
 
     @property
@@ -103,11 +134,19 @@ class EmbeddedBroker:
                 certfile=self.config.cert_file,
                 keyfile=self.config.key_file,
             )
-        return {
-            "listeners": {"default": listener},
-            # No packet logger: it would write payloads to the log at debug level.
-            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
-        }
+        anonymous = "amqtt.plugins.authentication.AnonymousAuthPlugin"
+        plugins: dict[str, Any] = {anonymous: {"allow_anonymous": True}}
+        if self.config.tls:
+            plugins = {
+                "fedsdk_coordinator.broker_plugins.CertificateIdentity": {
+                    "acl": self.acl,
+                    "crl_file": self.config.crl_file or "",
+                    "ca_file": self.config.ca_file or "",
+                },
+                "fedsdk_coordinator.broker_plugins.FleetAcl": {"acl": self.acl},
+            }
+        # No packet logger: it would write payloads to the log at debug level.
+        return {"listeners": {"default": listener}, "plugins": plugins}
 
     async def start(self) -> None:
         cls = _make_broker_class()

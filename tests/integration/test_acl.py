@@ -1,10 +1,11 @@
-"""The broker files ``fedsdk provision`` writes, enforced by a real mosquitto 2.
+"""The broker files ``fedsdk provision`` writes, enforced by a real mosquitto 2 and by the embedded broker.
 
 One fleet (key mode ``keyserver``, devices ``a``, ``b``, ``c``) is provisioned with its broker bound to a
-free loopback port and its ``config_dir`` pointing at the fleet's own ``broker/`` directory; mosquitto then
-runs the generated ``mosquitto.conf`` unchanged (plus ``user root`` when the tests run as root, which
-mosquitto 2 needs to stay root). Every client is a :class:`fedsdk.transport.MqttTransport` with a kit's
-TLS settings.
+free loopback port and its ``config_dir`` pointing at the fleet's own ``broker/`` directory. Every test runs
+twice: ``mosquitto`` runs the generated ``mosquitto.conf`` unchanged (plus ``user root`` when the tests run
+as root, which mosquitto 2 needs to stay root); ``embedded`` runs the coordinator's amqtt broker with the
+fleet's broker certificate, CA and CRL and the ACL for the federation and key mode, which must grant
+exactly the same. Every client is a :class:`fedsdk.transport.MqttTransport` with a kit's TLS settings.
 
 "Receives nothing" is checked without long sleeps: after the forbidden traffic, a legitimate message is
 routed to the same subscriber *after* the broker has already routed the forbidden one (the legitimate
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from brokers import BrokerStartError, MosquittoProcess, find_mosquitto, free_port
+from brokers import BrokerStartError, EmbeddedBrokerThread, MosquittoProcess, find_mosquitto, free_port
 from fedsdk.errors import ConnectError, TransportError
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.pki import make_dev_pki
@@ -42,16 +43,15 @@ DEVICES = ("a", "b", "c")
 @dataclass
 class FleetBroker:
     root: Path
-    broker: MosquittoProcess
+    kind: str  # mosquitto | embedded
+    broker: MosquittoProcess | EmbeddedBrokerThread
 
     def kit(self, name: str) -> Kit:
         path = self.root / ("devices/" + name if name in DEVICES else name)
         return load_kit(path)
 
 
-def _start(tmp: Path) -> FleetBroker:
-    binary = find_mosquitto()
-    assert binary is not None
+def _start(tmp: Path, kind: str) -> FleetBroker:
     port = free_port()
     root = tmp / f"fleet-{port}"
     fleet = {
@@ -69,6 +69,22 @@ def _start(tmp: Path) -> FleetBroker:
         "he": {"backend": "packed", "options": {"key_bits": 1024}},
     }
     provision(fleet_from_mapping(fleet), root)
+    if kind == "embedded":
+        from fedsdk_coordinator import EmbeddedBrokerConfig
+
+        files = root / "broker"
+        config = EmbeddedBrokerConfig(
+            port=port,
+            ca_file=str(files / "ca.pem"),
+            cert_file=str(files / "server.pem"),
+            key_file=str(files / "server.key"),
+            crl_file=str(files / "crl.pem"),
+        )
+        thread = EmbeddedBrokerThread(config, federation=FED, key_mode="keyserver")
+        thread.start()
+        return FleetBroker(root, kind, thread)
+    binary = find_mosquitto()
+    assert binary is not None
     (tmp / "persist").mkdir(exist_ok=True)
     run = tmp / f"run-{port}"
     run.mkdir()
@@ -76,24 +92,25 @@ def _start(tmp: Path) -> FleetBroker:
     (run / "mosquitto.conf").write_text(("user root\n" if os.geteuid() == 0 else "") + conf)
     proc = MosquittoProcess(binary, run, port, None)
     proc.start()
-    return FleetBroker(root, proc)
+    return FleetBroker(root, kind, proc)
 
 
-@pytest.fixture(scope="module")
-def fb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetBroker]:
-    if find_mosquitto() is None:
+@pytest.fixture(scope="module", params=["mosquitto", "embedded"])
+def fb(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetBroker]:
+    kind: str = request.param
+    if kind == "mosquitto" and find_mosquitto() is None:
         if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
             pytest.fail("CI is set and mosquitto is not installed", pytrace=False)
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
-    tmp = tmp_path_factory.mktemp("acl")
+    tmp = tmp_path_factory.mktemp(f"acl-{kind}")
     last: BrokerStartError | None = None
-    for _ in range(3):  # the free port may be taken between free_port() and mosquitto's bind
+    for _ in range(3):  # the free port may be taken between free_port() and the broker's bind
         try:
-            fleet_broker = _start(tmp)
+            fleet_broker = _start(tmp, kind)
             break
         except BrokerStartError as exc:
             last = exc
-            if "Address already in use" not in str(exc):
+            if "in use" not in str(exc):
                 raise
     else:
         assert last is not None
@@ -232,14 +249,91 @@ async def test_devices_cannot_publish_outside_their_own_subtree(fb: FleetBroker)
 async def test_a_device_cannot_take_over_the_coordinators_session(fb: FleetBroker) -> None:
     async with connect(fb.kit("coordinator")) as coord:
         await coord.t.subscribe(topic("up", "+", "+"))
-        # same MQTT client id as the coordinator: the broker renames the session to the CN instead of
-        # disconnecting the coordinator (use_username_as_clientid)
-        async with connect(fb.kit("a"), client_id="coordinator") as a:
-            await a.t.publish(topic("up", "a", "update"), b"from a")
-            await coord.wait_for(lambda m: m.payload == b"from a")
+        if fb.kind == "mosquitto":
+            # same MQTT client id as the coordinator: the broker renames the session to the CN instead of
+            # disconnecting the coordinator (use_username_as_clientid)
+            async with connect(fb.kit("a"), client_id="coordinator") as a:
+                await a.t.publish(topic("up", "a", "update"), b"from a")
+                await coord.wait_for(lambda m: m.payload == b"from a")
+                await asyncio.sleep(0.3)
+            assert "as a (" in fb.broker.log_text()  # mosquitto logged the session under the CN
+        else:
+            # amqtt cannot rename a session: a client id that is not the certificate's CN is refused
+            with pytest.raises(ConnectError):
+                async with connect(fb.kit("a"), client_id="coordinator"):
+                    pass
+            assert "refused client id 'coordinator': its certificate is 'a'" in fb.broker.log_text()
             await asyncio.sleep(0.3)
         assert coord.t.connected and coord.t.stats["reconnects"] == 0
-        assert "as a (" in fb.broker.log_text()  # mosquitto logged the session under the CN
+
+
+WILL_CHILD = """
+import asyncio, sys
+from fedsdk.errors import ConnectError
+from fedsdk.transport import MqttTransport, TlsConfig, Will
+
+async def main():
+    url, cid, ca, cert, key, will_topic = sys.argv[1:]
+    will = Will(will_topic, b"will of " + cid.encode(), qos=1)
+    t = MqttTransport.from_url(url, client_id=cid, tls=TlsConfig(ca, cert, key), will=will, timeout=5)
+    try:
+        await t.connect()
+    except ConnectError:
+        print("refused", flush=True)
+        return
+    print("ready", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def _die_with_will(kit: Kit, will_topic: str) -> str:
+    """Connect as ``kit`` in a child process with a last will on ``will_topic``, then SIGKILL it (no
+    DISCONNECT, so the broker must act on the will). Returns what the child said: ready or refused."""
+    tls = kit.tls
+    assert tls is not None and tls.cert_file and tls.key_file
+    args = [
+        kit.broker_url,
+        kit.client_id,
+        str(tls.ca_file),
+        str(tls.cert_file),
+        str(tls.key_file),
+        will_topic,
+    ]
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WILL_CHILD, *args, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        said = (await asyncio.wait_for(child.stdout.readline(), 20)).decode().strip()
+        if said == "ready":
+            child.kill()
+        await asyncio.wait_for(child.wait(), 10)
+        return said
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
+async def test_a_last_will_on_a_forbidden_topic_is_never_published(fb: FleetBroker) -> None:
+    """A device that dies with its will on another device's topic must not get it delivered. mosquitto
+    accepts the connection and drops the will; the embedded broker refuses the CONNECT. A will on the
+    device's own topic is the control: it arrives."""
+    async with connect(fb.kit("coordinator")) as coord, connect(fb.kit("b")) as b:
+        await coord.t.subscribe(topic("up", "+", "+"))
+        await b.t.subscribe(topic("down", "b"))
+        await b.t.subscribe(topic("cluster", "#"))
+        forged = await _die_with_will(fb.kit("a"), topic("down", "b"))
+        assert forged == ("ready" if fb.kind == "mosquitto" else "refused")
+        forged_cluster = await _die_with_will(fb.kit("a"), topic("cluster", "0"))
+        assert await _die_with_will(fb.kit("a"), topic("up", "a", "bye")) == "ready"
+        await coord.wait_for(lambda m: m.payload == b"will of a", timeout=10)
+        await coord.t.publish(topic("down", "b"), b"marker")
+        await b.wait_for(lambda m: m.payload == b"marker")
+        await asyncio.sleep(0.2)
+        assert [m.payload for m in b.got] == [b"marker"], (forged_cluster, b.topics())
 
 
 async def test_connections_without_a_fleet_certificate_are_refused(fb: FleetBroker, tmp_path: Path) -> None:
@@ -313,15 +407,17 @@ async def test_a_revoked_device_is_refused_after_reload(fb: FleetBroker, tmp_pat
     async with connect(stolen) as c:
         assert c.t.connected
     revoke_device(fb.root, "c")
-    assert fb.broker.pid is not None
-    os.kill(fb.broker.pid, signal.SIGHUP)  # mosquitto re-reads acl and crl.pem
-    for _ in range(100):
-        if "Reloading config" in fb.broker.log_text():
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("mosquitto did not log a reload after SIGHUP")
-    await asyncio.sleep(0.2)
+    if fb.kind == "mosquitto":
+        assert isinstance(fb.broker, MosquittoProcess) and fb.broker.pid is not None
+        os.kill(fb.broker.pid, signal.SIGHUP)  # mosquitto re-reads acl and crl.pem
+        for _ in range(100):
+            if "Reloading config" in fb.broker.log_text():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("mosquitto did not log a reload after SIGHUP")
+        await asyncio.sleep(0.2)
+    # the embedded broker re-reads crl.pem at the next connect: no reload step
     with pytest.raises(ConnectError):
         async with connect(stolen):
             pass

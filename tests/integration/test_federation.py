@@ -26,6 +26,7 @@ from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.pki import DevPki, make_dev_pki
 from fedsdk.protocol import Aggregate, Hello, Status, Task, Update, decode, encode
 from fedsdk.protocol import topics as T
+from fedsdk.provision.mosquitto import render_acl
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator import CoordinatorConfig, EmbeddedBrokerConfig, RoundConfig, create_app
 from fedsdk_coordinator.app import ENGINE
@@ -203,13 +204,19 @@ async def test_federation_over_mosquitto_tls(
 async def test_federation_over_embedded_broker(
     tmp_path: Path, pki: DevPki, device_data: dict[str, Path]
 ) -> None:
+    # the fleet ACL, plus the test's observer, which reads everything (tasks, updates, aggregates)
+    acl = tmp_path / "acl"
+    config = base_config(tmp_path, pki)
+    fed = config.rounds.federation
+    acl.write_text(render_acl(fed) + f"user observer\ntopic read fl/{fed}/#\n")
     embedded = EmbeddedBrokerConfig(
         port=free_port(),
         ca_file=str(pki.ca_file),
         cert_file=str(pki.server_cert),
         key_file=str(pki.server_key),
+        acl_file=str(acl),
     )
-    config = base_config(tmp_path, pki, embedded=embedded)
+    config = replace(config, embedded=embedded)
     engine, observer = await federate(None, config, pki, device_data)
     check_fedavg(engine, observer, ROUNDS)
 

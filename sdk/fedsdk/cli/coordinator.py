@@ -2,7 +2,9 @@
 
 Without ``--broker`` it starts the embedded amqtt broker. TLS is on by default: without certificate
 options a development PKI (CA, broker and coordinator certificates, and one certificate per device named
-with ``--devices``) is made once in ``<state-dir>/pki`` and reused after.
+with ``--devices``) is made once in ``<state-dir>/pki`` and reused after. The embedded broker then admits
+only certificates of that CA, and enforces the same topic ACL as the fleet's mosquitto (a device writes
+only its own ``up/<id>/`` topics and reads its own ``down/<id>``, the cluster broadcasts and the status).
 
 With ``--kit DIR`` (the coordinator kit from ``fedsdk provision``) the broker URL, federation, key mode,
 certificates, HE public key and dashboard address come from the kit; options given on the command line
@@ -52,6 +54,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--devices", default="", help="comma-separated device ids to issue dev certificates for")
     p.add_argument("--broker-cert", help="embedded broker's certificate (PEM)")
     p.add_argument("--broker-key", help="embedded broker's private key (PEM)")
+    p.add_argument(
+        "--broker-crl", help="embedded broker: refuse certificates revoked in this CRL (the fleet's crl.pem)"
+    )
+    p.add_argument(
+        "--broker-acl",
+        help="embedded broker: this mosquitto acl_file instead of the fleet ACL for --federation/--key-mode",
+    )
     p.add_argument("--exit-when-done", action="store_true", help="stop once the last round is aggregated")
     p.add_argument("--he", metavar="DIR", help="the federation's HE public key folder (HE strategies)")
     add_strategy_options(p)
@@ -109,7 +118,13 @@ def run(args: argparse.Namespace) -> int:
             if not (args.broker_cert and args.broker_key):
                 raise ConfigError("the embedded broker needs --broker-cert and --broker-key with --ca")
             embedded = co.EmbeddedBrokerConfig(
-                host=host, port=port, ca_file=args.ca, cert_file=args.broker_cert, key_file=args.broker_key
+                host=host,
+                port=port,
+                ca_file=args.ca,
+                cert_file=args.broker_cert,
+                key_file=args.broker_key,
+                crl_file=args.broker_crl,
+                acl_file=args.broker_acl,
             )
     else:
         devices = [d for d in args.devices.split(",") if d]
@@ -126,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 cert_file=str(pki.server_cert),
                 key_file=str(pki.server_key),
             )
+    if (args.broker_crl or args.broker_acl) and (embedded is None or not embedded.ca_file or args.insecure):
+        raise ConfigError("--broker-crl and --broker-acl are for the embedded broker with fleet certificates")
     rounds = co.RoundConfig(
         federation=args.federation,
         rounds=args.rounds,
