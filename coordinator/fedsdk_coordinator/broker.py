@@ -7,6 +7,16 @@ one (``CERT_OPTIONAL``), so :class:`EmbeddedBroker` tightens the SSL context to 
 ``crl_file`` (``broker/crl.pem`` of the fleet directory, mosquitto's ``crlfile``) a revoked certificate is
 refused at connect; the file is re-read when it changes, so revoking needs no restart.
 
+**Authentication happens before amqtt touches its session table.** amqtt 0.12 reads the CONNECT, then
+deletes the stored session of the client id it names (clean session) or swaps that session in (persistent
+session, still holding the *previous* connection's TLS object), and only then authenticates; a refused
+connection even replaces the table entry. A device presenting the coordinator's client id could so wipe
+the coordinator's session or resume it with its queued updates (found by ``tests/integration/test_acl.py``).
+``_StrictTlsBroker._initialize_client_session`` therefore checks the identity right after the CONNECT
+(:meth:`.broker_plugins.CertificateIdentity.admit`), refuses with CONNACK "not authorized", and otherwise
+does amqtt's bookkeeping with the resumed session taking the new TLS object. This relies on amqtt 0.12's
+internals; pyproject pins ``amqtt<0.13`` and the ACL tests run against every install.
+
 With TLS it also enforces the fleet's ACL, the very text ``fedsdk provision`` writes for mosquitto
 (:func:`fedsdk.provision.mosquitto.render_acl` for the federation and key mode), through the plugins of
 :mod:`.broker_plugins`: identity = certificate CN = client id, publish/subscribe/delivery checked against
@@ -16,6 +26,7 @@ identities and enforces nothing; the coordinator still checks that an update's s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 from dataclasses import dataclass
@@ -66,9 +77,25 @@ class _SnapshotDict(dict[str, Any]):
         return list(super().items())
 
 
+# what a resumed session takes from the new connection's CONNECT (and TLS handshake)
+_RESUMED_FROM_CONNECT = (
+    "will_flag",
+    "will_message",
+    "will_topic",
+    "will_qos",
+    "keep_alive",
+    "username",
+    "password",
+    "clean_session",
+    "ssl_object",
+)
+
+
 def _make_broker_class() -> type[Any]:
     try:
         from amqtt.broker import Broker
+        from amqtt.errors import MQTTError
+        from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ConfigError(
             "the embedded broker needs the coordinator extra: pip install 'fedsdk[coordinator]'"
@@ -79,6 +106,44 @@ def _make_broker_class() -> type[Any]:
             super().__init__(*args, **kwargs)
             table: dict[str, Any] = self._subscriptions  # type: ignore[has-type]  # amqtt is untyped here
             self._subscriptions = _SnapshotDict(table)
+
+        async def _initialize_client_session(
+            self, reader: Any, writer: Any, remote_address: str, remote_port: int
+        ) -> tuple[Any, Any]:
+            gate = self.plugins_manager.get_plugin("CertificateIdentity")
+            if gate is None:  # insecure mode: nothing to check
+                return await super()._initialize_client_session(reader, writer, remote_address, remote_port)
+            try:
+                handler, incoming = await BrokerProtocolHandler.init_from_connect(
+                    reader, writer, self.plugins_manager
+                )
+            except MQTTError:
+                await writer.close()
+                raise
+            if not gate.admit(incoming):  # before the session table is touched (module docstring)
+                with contextlib.suppress(Exception):  # the client may already be gone
+                    handler.attach(incoming, reader, writer)
+                    await handler.mqtt_connack_authorize(False)
+                    await writer.close()
+                raise MQTTError(f"refused client id {incoming.client_id!r}")
+            # amqtt 0.12's bookkeeping from here on, except that a resumed session takes this connection's
+            # TLS object and clean-session flag (amqtt keeps the previous connection's: a session once
+            # opened clean was then dropped at the next disconnect although resumed as persistent)
+            session = incoming
+            if incoming.clean_session:
+                await self._delete_session(incoming.client_id)
+                session.parent = 0
+            elif incoming.client_id in self._sessions:
+                session, _ = self._sessions[incoming.client_id]
+                for attr in _RESUMED_FROM_CONNECT:
+                    setattr(session, attr, getattr(incoming, attr))
+                session.parent = 1
+            else:
+                session.parent = 0
+            delay = self.config.get("timeout-disconnect-delay", 0)
+            if session.keep_alive > 0 and isinstance(delay, int):
+                session.keep_alive += delay
+            return handler, session
 
         @staticmethod
         def _create_ssl_context(listener: Any) -> ssl.SSLContext:

@@ -74,6 +74,11 @@ class CertificateIdentity(BaseAuthPlugin):
         self.crl = RevocationList(crl, self._get_config_option("ca_file", "")) if crl else None
 
     async def authenticate(self, *, session: Any) -> bool | None:
+        return self.admit(session)
+
+    def admit(self, session: Any) -> bool:
+        """The check itself, on a session fresh from its CONNECT (the broker calls it before amqtt's session
+        bookkeeping; ``authenticate`` repeats it where amqtt asks)."""
         cn, serial = _peer(session)
         if cn is None or serial is None:
             log.warning("embedded broker: refused a client without a certificate CN")

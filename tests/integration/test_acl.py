@@ -263,8 +263,55 @@ async def test_a_device_cannot_take_over_the_coordinators_session(fb: FleetBroke
                 async with connect(fb.kit("a"), client_id="coordinator"):
                     pass
             assert "refused client id 'coordinator': its certificate is 'a'" in fb.broker.log_text()
-            await asyncio.sleep(0.3)
+            # and the refused attempt did not delete the coordinator's session or its subscriptions
+            async with connect(fb.kit("b")) as b:
+                await b.t.publish(topic("up", "b", "update"), b"from b")
+            await coord.wait_for(lambda m: m.payload == b"from b")
         assert coord.t.connected and coord.t.stats["reconnects"] == 0
+
+
+async def test_a_device_cannot_resume_the_coordinators_persistent_session(fb: FleetBroker) -> None:
+    """The coordinator's offline session (clean_session false) holds queued updates. Another certificate
+    presenting the coordinator's client id must not resume it: mosquitto gives it a session of its own
+    CN, the embedded broker refuses it (amqtt keeps the old connection's TLS object on a resumed session;
+    fedsdk's broker class checks the new connection's). The coordinator itself then gets the queue."""
+
+    def coordinator_as(kit: Kit) -> MqttTransport:
+        return MqttTransport.from_url(
+            kit.broker_url, client_id="coordinator", tls=kit.tls, clean_session=False, timeout=5
+        )
+
+    first = coordinator_as(fb.kit("coordinator"))
+    async with first:
+        await first.subscribe(topic("up", "+", "+"))
+    async with connect(fb.kit("b")) as b:
+        await b.t.publish(topic("up", "b", "update"), b"queued for the coordinator")
+    await asyncio.sleep(0.2)
+    thief = coordinator_as(fb.kit("a"))
+    got: list[bytes] = []
+    try:
+        await thief.connect()
+    except ConnectError:
+        assert fb.kind == "embedded"
+    else:
+        assert fb.kind == "mosquitto"
+
+        async def drain() -> None:
+            async for m in thief.messages():
+                got.append(m.payload)
+
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(drain(), 1.0)
+        finally:
+            await thief.close()
+    assert got == []
+    again = coordinator_as(fb.kit("coordinator"))
+    async with again:
+        c = Client(again)
+        await c.wait_for(lambda m: m.payload == b"queued for the coordinator")
+        await again.close()
+        await c._pump
 
 
 WILL_CHILD = """
