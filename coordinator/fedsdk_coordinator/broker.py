@@ -1,6 +1,6 @@
 """The embedded MQTT broker for the laptop default (amqtt).
 
-Real fleets use mosquitto or EMQX (DESIGN.md, Decisions): they are 3-5x faster and enforce ACLs. The
+Real fleets use mosquitto or EMQX (DESIGN.md, Decisions): they are 3-5x faster. The
 embedded broker exists so that ``fedsdk demo`` and ``fedsdk coordinator`` run on a laptop with nothing else
 installed. With TLS it *requires* a client certificate signed by the fleet CA: amqtt 0.12 only asks for
 one (``CERT_OPTIONAL``), so :class:`EmbeddedBroker` tightens the SSL context to ``CERT_REQUIRED``. With

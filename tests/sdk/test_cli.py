@@ -44,3 +44,15 @@ def test_join_reports_an_unreachable_broker(tmp_path: Path) -> None:
 def test_bad_data_file_is_a_config_error(tmp_path: Path) -> None:
     out = fedsdk("join", "mqtt://127.0.0.1:9", "--insecure", "--data", str(tmp_path / "missing.npz"))
     assert out.returncode == 2 and "missing.npz" in out.stderr
+
+
+def test_coordinator_refuses_broker_options_it_cannot_honour(tmp_path: Path) -> None:
+    state = ["--state-dir", str(tmp_path / "state")]
+    out = fedsdk("coordinator", "--broker-crl", str(tmp_path / "crl.pem"), *state)  # dev PKI: no fleet CRL
+    assert out.returncode == 2 and "--broker-crl needs the fleet's certificates" in out.stderr
+    out = fedsdk("coordinator", "--insecure", "--broker-acl", str(tmp_path / "acl"), *state)
+    assert out.returncode == 2 and "for the embedded broker with TLS" in out.stderr
+    acl = tmp_path / "acl"
+    acl.write_text("user coordinator\ntopic read fl/default/up/#\nallow everything\n")
+    out = fedsdk("coordinator", "--broker-acl", str(acl), "--listen", "127.0.0.1:1", *state)
+    assert out.returncode == 2 and "ACL line 3: cannot read 'allow everything'" in out.stderr

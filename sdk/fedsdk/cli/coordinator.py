@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     args.http = args.http or "127.0.0.1:8080"
     state_dir = Path(args.state_dir)
     host, port = _split(args.listen)
+    if args.broker_crl and not args.ca:
+        raise ConfigError("--broker-crl needs the fleet's certificates (--ca, --broker-cert, --broker-key)")
     embedded = None
     tls = None
     if args.insecure:
@@ -140,9 +142,10 @@ def run(args: argparse.Namespace) -> int:
                 ca_file=str(pki.ca_file),
                 cert_file=str(pki.server_cert),
                 key_file=str(pki.server_key),
+                acl_file=args.broker_acl,
             )
-    if (args.broker_crl or args.broker_acl) and (embedded is None or not embedded.ca_file or args.insecure):
-        raise ConfigError("--broker-crl and --broker-acl are for the embedded broker with fleet certificates")
+    if (args.broker_crl or args.broker_acl) and (embedded is None or not embedded.tls):
+        raise ConfigError("--broker-crl and --broker-acl are for the embedded broker with TLS")
     rounds = co.RoundConfig(
         federation=args.federation,
         rounds=args.rounds,
