@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -184,7 +185,7 @@ def run_by_hand(work: Path, key_mode: str) -> dict[str, bytes]:
             if name == "coordinator":
                 _wait_port(port, procs[name])
         for name in [*CLIENTS, "coordinator"]:
-            assert procs[name].wait(180) == 0, (logs / f"{name}.log").read_text()[-3000:]
+            assert _wait(procs, name, logs, 180) == 0, (logs / f"{name}.log").read_text()[-3000:]
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -198,6 +199,22 @@ def run_by_hand(work: Path, key_mode: str) -> dict[str, bytes]:
     for name, text in texts.items():
         assert b" DEBUG " in text, f"{name} did not log at DEBUG"
     return texts
+
+
+def _wait(procs: dict[str, subprocess.Popen[bytes]], name: str, logs: Path, timeout: float) -> int:
+    """``procs[name]``'s exit code; past ``timeout``, every process still running prints its threads' stacks
+    (``kill -USR1``, :mod:`fedsdk.cli`) and the test fails with the tails of their logs."""
+    try:
+        return procs[name].wait(timeout)
+    except subprocess.TimeoutExpired:
+        alive = [n for n, p in procs.items() if p.poll() is None]
+        for n in alive:
+            procs[n].send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        tails = {n: (logs / f"{n}.log").read_text(errors="replace")[-6000:] for n in procs}
+        state = {n: "running" if n in alive else "exited" for n in procs}
+        report = "\n".join(f"===== {n} ({state[n]})\n{t}" for n, t in tails.items())
+        raise AssertionError(f"{name} stuck after {timeout:.0f} s (running: {alive})\n{report}") from None
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:

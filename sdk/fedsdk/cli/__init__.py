@@ -2,12 +2,18 @@
 
 Exit codes: 0 success; 1 the federation or the run failed; 2 bad usage or configuration;
 3 the broker could not be reached; 130 interrupted.
+
+A process that seems stuck can be asked where it is: ``kill -USR1 <pid>`` prints the stack of every thread
+to stderr (:mod:`faulthandler`; POSIX only) and the process carries on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     level = logging.WARNING - 10 * min(int(args.verbose), 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if hasattr(signal, "SIGUSR1"):
+        # kill -USR1: every thread's stack; not where stderr has no file descriptor (embedded, captured)
+        with contextlib.suppress(AttributeError, ValueError, OSError, RuntimeError):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
