@@ -58,8 +58,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     for s in ("plain-he", "maskcrypt", "sensecrypt", "fedsdk"):
         out[s] = demo(tmp, s, "--strategy", s)
     out["fedsdk-keyserver"] = demo(tmp, "fedsdk-ks", "--strategy", "fedsdk", "--key-mode", "keyserver")
-    # DP noise is fresh OS entropy on every device: the 64-unit MLP's sketches keep the groups apart at
-    # eps = 1 (ARI 1.0 in 8 of 8 draws here); the 16-unit one does so less reliably.
+    # DP noise is fresh OS entropy on every device, so this run is one random draw: the 64-unit MLP's sketches
+    # keep the groups apart at eps = 1 in 97.5 % of draws (390 of 400 seeded draws of the same setting, see
+    # tests/coordinator/test_clustering.py, which asserts the rate); the 16-unit one does so less reliably.
     out["dp"] = demo(
         tmp, "dp", "--strategy", "plaintext", "--clustering", "on", "--dp-epsilon", "1", "--model", "mlp"
     )
@@ -80,7 +81,8 @@ def ari(summary: dict[str, Any]) -> float:
 def test_clustering_recovers_the_groups_without_and_with_dp(runs: dict[str, dict[str, Any]]) -> None:
     assert ari(runs["plaintext"]) >= 0.9
     assert runs["dp"]["config"]["dp_epsilon"] == 1.0
-    assert ari(runs["dp"]) >= 0.9
+    # one draw of DP noise (see the fixture): 10 of 400 seeded draws fell below 0.9, none below ARI 0.59
+    assert ari(runs["dp"]) > 0.5
 
 
 @pytest.mark.parametrize(
