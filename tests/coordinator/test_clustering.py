@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -106,15 +108,20 @@ def test_example_level_dp_at_epsilon_one_recovers_planted_groups() -> None:
 # -- real data: the digits MLP on label-skewed partitions ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def digits_fleet() -> dict[str, object]:
+def _digits_setup(hidden: int, devices: int) -> tuple[Any, Any, Any, list[np.ndarray], Any]:
+    """(model module, digits, a 64-``hidden``-10 MLP as ONNX, its seed-0 weights, label-skew partition)."""
     model_mod = pytest.importorskip("fedsdk.model")
     data_mod = pytest.importorskip("fedsdk.model.data")
     ds = data_mod.load_digits()
-    spec = model_mod.mlp(64, (32,), 10)
+    spec = model_mod.mlp(64, (hidden,), 10)
     model = model_mod.OnnxModel.from_bundle(model_mod.build_graphs(spec))
-    w0 = model_mod.init_params(spec, seed=0)
-    part = data_mod.partition_label_skew(ds.y_train, 12, n_groups=4, seed=0)
+    part = data_mod.partition_label_skew(ds.y_train, devices, n_groups=4, seed=0)
+    return model_mod, ds, model, model_mod.init_params(spec, seed=0), part
+
+
+@pytest.fixture(scope="module")
+def digits_fleet() -> dict[str, object]:
+    model_mod, ds, model, w0, part = _digits_setup(32, 12)
     local: dict[str, list[np.ndarray]] = {}
     per_example: dict[str, list[np.ndarray]] = {}
     truth: dict[str, int] = {}
@@ -165,15 +172,9 @@ def test_example_level_dp_at_epsilon_one_on_the_demo_fleet_recovers_the_groups_i
     390 recovered the 4 groups exactly and the other 10 had ARI 0.59 (two groups merged) or ≥ 0.8 (one split),
     never less. Seeds 0-19 all recover the groups; the bound leaves room for float differences elsewhere.
     """
-    model_mod = pytest.importorskip("fedsdk.model")
-    data_mod = pytest.importorskip("fedsdk.model.data")
     from fedsdk.pipeline import _per_example
 
-    ds = data_mod.load_digits()
-    spec = model_mod.mlp(64, (64,), 10)
-    model = model_mod.OnnxModel.from_bundle(model_mod.build_graphs(spec))
-    w0 = model_mod.init_params(spec, seed=0)
-    part = data_mod.partition_label_skew(ds.y_train, 8, n_groups=4, seed=0)
+    _, ds, model, w0, part = _digits_setup(64, 8)
     rows = {
         f"dev-{i:02d}": list(_per_example(model, w0, ds.x_train[idx], ds.y_train[idx], 32))
         for i, idx in enumerate(part.indices)
