@@ -48,6 +48,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.crypto import HEBackend, aggregate_contributions
 from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
+from fedsdk.masking import FLOORS
 from fedsdk.model import GraphBundle, OnnxModel
 from fedsdk.protocol import (
     Aggregate,
@@ -71,6 +72,7 @@ from fedsdk.protocol.validate import check_kind, check_update
 from fedsdk_coordinator.aggregate import fedavg
 from fedsdk_coordinator.budgets import DeviceCapacity, deadline_budgets, sensecrypt_budgets
 from fedsdk_coordinator.clustering import Clustering, assign_nearest, cluster_sketches
+from fedsdk_coordinator.consensus import consensus_mask
 from fedsdk_coordinator.resume import StoredRound, check_identity, load_resume
 from fedsdk_coordinator.store import RoundPlan, Store
 from fedsdk_coordinator.strategies import strategy
@@ -127,6 +129,8 @@ class RoundConfig:
     mask_C: float = 0.3
     mask_eta_mi: float = 2.0
     mask_policy: str = "security-first"
+    mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
+    mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
     sketch_dim: int = 32
     dp_epsilon: float = 0.0
     dp_clip: float = 1.0
@@ -206,6 +210,14 @@ class RoundEngine:
     ) -> None:
         self.config = config
         self.strategy = strategy(config.strategy)
+        wanted = self.strategy.consensus if config.mask_consensus is None else config.mask_consensus
+        self.consensus = bool(wanted) and self.strategy.mask == "solver"
+        floors = [f.strip() for f in config.mask_floor.split(",") if f.strip()]
+        if any(f not in FLOORS for f in floors) or (floors and self.strategy.mask in ("none", "all")):
+            raise ConfigError(
+                f"mask floor {config.mask_floor!r}: give a comma list of {', '.join(FLOORS)}, "
+                "with a strategy that masks (maskcrypt, sensecrypt, fedsdk)"
+            )
         if config.key_mode not in ("shared", "keyserver"):
             raise ConfigError(f"key mode must be shared or keyserver, got {config.key_mode!r}")
         if self.strategy.backend is not None:
@@ -249,6 +261,8 @@ class RoundEngine:
         self._last_aggregate: dict[int, tuple[str, bytes]] = {}
         # per cluster: the union of the masks ÷ the largest single mask, measured (deadline budgets)
         self._union_factor: dict[int, float] = {}
+        # per cluster: the consensus mask voted on its last aggregated round, encoded (consensus.py)
+        self._consensus: dict[int, str] = {}
         self.resent = 0  # identical re-sends of a reply already held (after a re-request)
         self._eval_model = OnnxModel.from_bundle(bundle)
         self._eval_data = eval_data
@@ -600,12 +614,15 @@ class RoundEngine:
             "mask_C": c.mask_C,
             "mask_eta_mi": c.mask_eta_mi,
             "mask_policy": c.mask_policy,
+            "mask_floor": c.mask_floor,
             "sketch_dim": c.sketch_dim,
             "sketch_seed": c.seed * 7919 + 1,
             "dp_epsilon": c.dp_epsilon,
             "dp_clip": c.dp_clip,
             "key_mode": c.key_mode,
         }
+        if phase == "train" and cluster_id in self._consensus:
+            config["mask_consensus"] = self._consensus[cluster_id]
         task = Task(
             federation=c.federation,
             round_id=round_id,
@@ -885,6 +902,15 @@ class RoundEngine:
         largest = max(int(np.asarray(u.pack_mask).sum()) for u in ordered)
         if largest:
             self._union_factor[rnd.cluster_id] = max(1.0, rnd.union_packs / largest)
+        if self.consensus:
+            agreed = consensus_mask([np.asarray(u.pack_mask, dtype=bool) for u in ordered])
+            self._consensus.pop(rnd.cluster_id, None)
+            if agreed is not None:
+                try:
+                    self._consensus[rnd.cluster_id] = pipeline.encode_pack_mask(agreed)
+                    metrics["consensus_ratio"] = float(agreed.mean())
+                except ValueError:
+                    log.warning("cluster %d: too many packs for a consensus mask", rnd.cluster_id)
         total = sum(u.num_samples for u in ordered)
         msg = pipeline.message_from_he_aggregate(
             he_agg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, total_samples=total, metrics={}

@@ -6,12 +6,15 @@
 | ``plain-he``   | paillier   | no         | 1 (everything)     | all values                    |
 | ``maskcrypt``  | paillier   | no         | one uniform α      | top-α packs; global mask = union |
 | ``sensecrypt`` | paillier   | yes        | paper 000 §3.2     | eq. 4-9 per value             |
-| ``fedsdk``     | packed     | yes        | deadline (ours)    | eq. 4-9 per pack, obfuscator pool |
+| ``fedsdk``     | packed     | yes        | deadline (ours)    | eq. 4-9 per pack, pool, consensus |
 
 MaskCrypt (Hu & Li 2024) negotiates one mask that every device encrypts; here each device encrypts its
 own top-α packs and the aggregate is encrypted on the union of the masks, which is the global mask the
 coordinator ends up with. Decision: this keeps the round to one message per device; MaskCrypt's extra
 round-trip to agree on the mask first would only add latency to the baseline.
+
+``fedsdk`` alone sends each cluster a consensus mask voted on the previous round's masks, which the devices'
+solvers prefer (:mod:`fedsdk_coordinator.consensus`); ``RoundConfig.mask_consensus`` overrides that.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Strategy:
     budgets: str  # none | full | uniform | sensecrypt | deadline
     mask: str  # none | all | topk | solver
     pool: bool
+    consensus: bool = False  # send the cluster's consensus mask with each task (mask = solver only)
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -40,7 +44,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("plain-he", "paillier", False, "full", "all", False),
         Strategy("maskcrypt", "paillier", False, "uniform", "topk", False),
         Strategy("sensecrypt", "paillier", True, "sensecrypt", "solver", False),
-        Strategy("fedsdk", "packed", True, "deadline", "solver", True),
+        Strategy("fedsdk", "packed", True, "deadline", "solver", True, consensus=True),
     )
 }
 

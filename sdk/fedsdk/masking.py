@@ -49,6 +49,7 @@ Floating point: eq. 7 and 8 are checked with a slack of ``TOL = 1e-9`` (covered 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,12 +59,15 @@ from fedsdk.errors import ConfigError, TrainingError
 
 __all__ = [
     "CONSTRAINTS",
+    "FLOORS",
     "PAPER_PRESETS",
     "POLICIES",
     "TOL",
     "MaskConfig",
     "MaskResult",
     "budget_values",
+    "floor_packs",
+    "linear_layers",
     "mi_edges",
     "mutual_information",
     "pack_sensitivity",
@@ -240,6 +244,51 @@ class MaskResult:
     unmet: tuple[str, ...] = field(default=())
 
 
+#: Whole layers a device can always encrypt on top of its solved mask (``floor_packs``), against the attacks
+#: ``fedsdk audit`` shows the sensitivity mask does not stop: ``first-linear`` hides the gradients the
+#: analytic reconstruction of the first fully connected layer's input needs, ``second-linear`` those of the
+#: attacker who reconstructs the next layer's input and goes back through the known first layer,
+#: ``last-linear`` those label restoration reads. See docs/audit.md.
+FLOORS: tuple[str, ...] = ("first-linear", "second-linear", "last-linear")
+
+
+def linear_layers(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int | None]]:
+    """``(weight, bias)`` parameter indices of the fully connected layers, from the parameter shapes alone
+    (what a device holds): a 2-D parameter is a Linear weight (convolution kernels are 4-D), and the
+    parameter right after it is its bias when it is 1-D with one value per output (either layout of the
+    weight). The audit checks this against the model spec's own layer list (tests/sdk/test_masking.py)."""
+    out: list[tuple[int, int | None]] = []
+    for i, s in enumerate(shapes):
+        if len(s) != 2:
+            continue
+        nxt = shapes[i + 1] if i + 1 < len(shapes) else None
+        out.append((i, i + 1 if nxt is not None and len(nxt) == 1 and nxt[0] in s else None))
+    return out
+
+
+def floor_packs(shapes: Sequence[tuple[int, ...]], floors: Sequence[str], pack_size: int) -> np.ndarray:
+    """One bool per pack: the packs holding any value of the layers named in ``floors`` (:data:`FLOORS`)."""
+    bad = [f for f in floors if f not in FLOORS]
+    if bad:
+        raise ConfigError(f"unknown mask floor(s) {bad}: choose from {', '.join(FLOORS)}")
+    sizes = [int(np.prod(s)) for s in shapes]
+    ends = np.cumsum(sizes)
+    values = np.zeros(int(ends[-1]) if sizes else 0, dtype=bool)
+    layers = linear_layers(shapes)
+    if floors and not layers:
+        raise ConfigError("the model has no fully connected layer for a mask floor")
+    for f in floors:
+        if f == "second-linear" and len(layers) < 2:
+            raise ConfigError("mask floor second-linear: the model has one fully connected layer")
+        w, b = {"first-linear": layers[0], "last-linear": layers[-1]}.get(f) or layers[1]
+        for p in (w, b):
+            if p is not None:
+                values[ends[p] - sizes[p] : ends[p]] = True
+    n_packs = math.ceil(values.size / pack_size)
+    padded = np.pad(values, (0, n_packs * pack_size - values.size)).reshape(n_packs, pack_size)
+    return np.asarray(padded.any(axis=1), dtype=bool)
+
+
 def value_mask(result: MaskResult) -> np.ndarray:
     """One bool per value of the flat update: each pack's decision repeated over its values."""
     return np.repeat(result.mask, result.pack_size)[: result.n_values]
@@ -273,13 +322,25 @@ def _xlog2x(v: np.ndarray | np.float64) -> np.ndarray:
 
 
 def solve_mask(
-    sens: np.ndarray, budget: float, config: MaskConfig = MaskConfig(), *, update: np.ndarray | None = None
+    sens: np.ndarray,
+    budget: float,
+    config: MaskConfig = MaskConfig(),
+    *,
+    update: np.ndarray | None = None,
+    prefer: np.ndarray | None = None,
 ) -> MaskResult:
     """Solve SenseCrypt eq. 9 (scalarised, §3.3) for one device: see the module docstring.
 
     ``sens`` holds one non-negative score per value (:mod:`fedsdk.sensitivity`), ``budget`` is α ∈ [0, 1],
     ``update`` the flat values being protected (needed for eq. 8 unless ``config.eta_mi`` is ``None``).
     O(F log F + N) time for F packs and N values. Ties in the objective go to the fewest encrypted values.
+
+    ``prefer`` (one bool per pack, e.g. the cluster's consensus mask) reorders the chains: the preferred
+    full packs come first, most sensitive first, then the others, most sensitive first. The constraints
+    are the same and are checked on the device's own sensitivity, so a preference can cost values (a
+    preferred pack may be less sensitive than one left out) but never lowers the covered fraction or
+    raises the MI below what the policy demands. The chains are then no longer the exact optimum of
+    eq. 4-7; what they buy is masks that agree across devices (see ``fedsdk_coordinator.consensus``).
     """
     s = np.asarray(sens, dtype=np.float64)
     if s.ndim != 1 or s.size == 0:
@@ -309,6 +370,13 @@ def solve_mask(
     rest = n - n_full * psize  # values in the short last pack (0: none)
     total = float(gamma.sum())
     order = np.argsort(-gamma[:n_full], kind="stable")  # most sensitive full packs first; ties by index
+    if prefer is not None:
+        pref = np.asarray(prefer)
+        if pref.dtype != bool or pref.shape != gamma.shape:
+            raise ConfigError(
+                f"prefer must hold one bool per pack ({gamma.size}), got {pref.dtype} {pref.shape}"
+            )
+        order = np.concatenate([order[pref[order]], order[~pref[order]]])  # stable: preferred first
     head = np.r_[0.0, np.cumsum(gamma[:n_full][order])]
     ks = np.arange(n_full + 1)
     chains = [(ks * psize, head)]

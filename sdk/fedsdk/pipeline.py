@@ -10,6 +10,10 @@ A task's ``config`` says what to do; the device does not need to know the strate
 ``metric``      the sensitivity metric (``fedsdk.sensitivity.METRICS``)
 ``mask_*``      the solver's β1, β2, B, C, η_MI (``mask_eta_mi`` ≤ 0 drops eq. 8) and conflict policy
 ``sketch_*``    dimension and shared seed of the projection; ``dp_epsilon`` (> 0 adds noise) and ``dp_clip``
+``mask_floor``  comma list of whole layers encrypted on top of the mask (``fedsdk.masking.FLOORS``; empty:
+                none)
+``mask_consensus`` the packs the cluster agreed on (:func:`encode_pack_mask`); the solver puts them first in
+                its chains (``solve_mask(prefer=...)``, ``fedsdk_coordinator.consensus``)
 
 Decision (paper 000 is silent on it): sensitivity is |w ⊙ ∇L| with w the weights *after* local training
 and ∇L the mean minibatch gradient of that training, so it describes the update being protected. The
@@ -19,6 +23,7 @@ what example-level DP can account for (``fedsdk.sketch.sample_dp_sketch``).
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,9 +35,10 @@ import numpy as np
 from fedsdk.crypto import Aggregate as HEAggregate
 from fedsdk.crypto import Contribution, HEBackend
 from fedsdk.errors import ConfigError, CryptoError
-from fedsdk.masking import MaskConfig, pack_sensitivity, solve_mask
+from fedsdk.masking import MaskConfig, floor_packs, pack_sensitivity, solve_mask
 from fedsdk.model import OnnxModel
 from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, join_parts
+from fedsdk.protocol.fields import MAX_SCALAR_TEXT
 from fedsdk.sensitivity import sensitivity
 from fedsdk.sketch import sample_dp_sketch
 
@@ -40,6 +46,8 @@ __all__ = [
     "MaskChoice",
     "choose_mask",
     "contribution_from_message",
+    "decode_pack_mask",
+    "encode_pack_mask",
     "flatten",
     "he_aggregate_from_message",
     "make_sketch",
@@ -109,6 +117,35 @@ def make_sketch(
 
 
 # -- step 4: which packs to encrypt ----------------------------------------------------------------
+def encode_pack_mask(mask: np.ndarray) -> str:
+    """One bool per pack as a task config string: base64 of the bits, most significant bit first.
+
+    A config string holds at most 1024 characters, so masks of up to 6,144 packs fit; the coordinator
+    sends no consensus for larger ones (``ValueError`` here).
+    """
+    bits = np.asarray(mask, dtype=bool).ravel()
+    text = base64.b64encode(np.packbits(bits).tobytes()).decode("ascii")
+    if len(text) > MAX_SCALAR_TEXT:
+        raise ValueError(f"a mask of {bits.size} packs does not fit in a config string")
+    return text
+
+
+def decode_pack_mask(text: str, n_packs: int) -> np.ndarray:
+    """Inverse of :func:`encode_pack_mask` for a model of ``n_packs`` packs (ConfigError if it does not
+    fit)."""
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise ConfigError(f"mask_consensus is not base64: {e}") from None
+    need = math.ceil(n_packs / 8)
+    if len(raw) != need:
+        raise ConfigError(f"mask_consensus holds {len(raw)} bytes, a model of {n_packs} packs needs {need}")
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8))
+    if bits[n_packs:].any():
+        raise ConfigError("mask_consensus sets bits past the last pack")
+    return bits[:n_packs].astype(bool)
+
+
 @dataclass(frozen=True)
 class MaskChoice:
     mask: np.ndarray  # bool per pack
@@ -137,38 +174,39 @@ def choose_mask(
     sens = sensitivity(str(config.get("metric", "wg")), weights=weights, gradients=gradients, seed=seed)
     t1 = time.perf_counter()
     budget = float(config.get("budget", 0.1))
-    total = float(sens.sum())
+    gave_way: str | None = None
     if mode == "topk":
         packs = pack_sensitivity(sens, pack_size)
         k = min(n_packs, math.floor(budget * n / pack_size + 1e-9))
         mask = np.zeros(n_packs, dtype=bool)
         if k > 0:
             mask[np.argsort(-packs, kind="stable")[:k]] = True
-        covered = float(packs[mask].sum()) / total if total > 0 else 1.0
-        enc = min(n, int(mask.sum()) * pack_size)
-        return MaskChoice(
-            mask, enc / n, covered, {"sensitivity_s": t1 - t0, "mask_s": time.perf_counter() - t1}
+    elif mode == "solver":
+        eta = float(config.get("mask_eta_mi", 2.0))
+        cfg = MaskConfig(
+            beta1=float(config.get("mask_beta1", 1.0)),
+            beta2=float(config.get("mask_beta2", 1.0)),
+            B=float(config.get("mask_B", 1.5)),
+            C=float(config.get("mask_C", 0.3)),
+            eta_mi=eta if eta > 0 else None,
+            policy=str(config.get("mask_policy", "security-first")),
+            pack_size=pack_size,
         )
-    if mode != "solver":
+        hint = config.get("mask_consensus")
+        prefer = decode_pack_mask(str(hint), n_packs) if hint else None
+        res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
+        mask, gave_way = res.mask, res.gave_way
+    else:
         raise ConfigError(f"unknown mask mode {mode!r}")
-    eta = float(config.get("mask_eta_mi", 2.0))
-    cfg = MaskConfig(
-        beta1=float(config.get("mask_beta1", 1.0)),
-        beta2=float(config.get("mask_beta2", 1.0)),
-        B=float(config.get("mask_B", 1.5)),
-        C=float(config.get("mask_C", 0.3)),
-        eta_mi=eta if eta > 0 else None,
-        policy=str(config.get("mask_policy", "security-first")),
-        pack_size=pack_size,
-    )
-    res = solve_mask(sens, budget, cfg, update=update)
+    floors = [f.strip() for f in str(config.get("mask_floor", "")).split(",") if f.strip()]
+    if floors:  # the solver is not told: the floor is added whatever eq. 4-9 chose (docs/audit.md)
+        mask = mask | floor_packs([tuple(np.shape(w)) for w in weights], floors, pack_size)
+    hidden = np.repeat(mask, pack_size)[:n]
+    total = float(sens.sum())
+    covered = float(sens[hidden].sum()) / total if total > 0 else 1.0
     t2 = time.perf_counter()
     return MaskChoice(
-        res.mask,
-        res.ratio,
-        res.covered_sensitivity,
-        {"sensitivity_s": t1 - t0, "mask_s": t2 - t1},
-        res.gave_way,
+        mask, float(hidden.mean()), covered, {"sensitivity_s": t1 - t0, "mask_s": t2 - t1}, gave_way
     )
 
 

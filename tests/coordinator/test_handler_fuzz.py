@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from fedsdk.crypto import HEBackend, generate_backend, load_backend
 from fedsdk.errors import ValidationError
 from fedsdk.model import build_graphs, init_params, mlp
-from fedsdk.pipeline import message_from_contribution, message_from_he_aggregate
+from fedsdk.pipeline import decode_pack_mask, message_from_contribution, message_from_he_aggregate
 from fedsdk.protocol import (
     Aggregate,
     BaseMessage,
@@ -516,6 +516,12 @@ def test_reports_measure_each_devices_decryption_of_the_union(tmp_path: Path, de
         live.finish()
         largest = max(len(range(i, packs, 3)) for i in range(3))
         assert live.engine._union_factor[0] == pytest.approx(packs / largest)
+        # fedsdk's consensus for the next round: every pack has one vote, so the lowest m packs, m = the
+        # largest mask's size; it rides in the next task's config
+        task = decode(live.engine._task(2, 0, "d0", phase="train", budget=0.1))
+        assert isinstance(task, Task)
+        agreed = decode_pack_mask(str(task.config["mask_consensus"]), packs)
+        assert np.flatnonzero(agreed).tolist() == list(range(largest))
         for cid, seconds in zip(DEVICES, (0.5, 1.0, 2.0), strict=True):
             measured = live.engine.measured[cid].decrypt_values_per_s
             assert measured == pytest.approx(packs * device_he.pack_size / seconds)

@@ -102,6 +102,12 @@ def test_every_strategy_completes_its_rounds(runs: dict[str, dict[str, Any]], na
         assert min(ratios) == 1.0
     else:
         assert 0.0 < min(ratios) and max(ratios) < 1.0, (name, ratios)
+    # fedsdk alone votes a consensus mask on every aggregated round (coordinator/.../consensus.py)
+    train = [r for r in s["rounds"] if r["round"] > 0 and r["state"] == "done"]
+    if name.startswith("fedsdk"):
+        assert all(0.0 < r["consensus_ratio"] <= r["union_ratio"] for r in train), (name, train)
+    else:
+        assert all(r["consensus_ratio"] is None for r in train), name
     # the per-device table of the demo: budgets and the time breakdown are there
     assert "per device" in s["stdout"] and "encrypt" in s["stdout"]
 

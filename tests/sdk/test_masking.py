@@ -61,13 +61,15 @@ def _all_masks(n_packs: int) -> np.ndarray:
     return np.array(list(itertools.product([False, True], repeat=n_packs)), dtype=bool).reshape(-1, n_packs)
 
 
-def _chain_masks(sens: np.ndarray, p: int) -> np.ndarray:
-    """The chains of docs/masking.md: top-k full packs (stable order), with and without the short pack."""
+def _chain_masks(sens: np.ndarray, p: int, prefer: np.ndarray | None = None) -> np.ndarray:
+    """The chains of docs/masking.md: top-k full packs (stable order), with and without the short pack;
+    with ``prefer``, the preferred full packs come first (each group most sensitive first)."""
     packs = _packs(sens.size, p)
     gam = [float(sens[list(r)].sum()) for r in packs]
     short = len(packs[-1]) < p
     full = len(packs) - short
-    order = sorted(range(full), key=lambda j: -gam[j])  # Python's sort is stable: ties by index
+    first = (lambda j: not prefer[j]) if prefer is not None else (lambda j: False)
+    order = sorted(range(full), key=lambda j: (first(j), -gam[j]))  # stable: ties by index
     rows = []
     for with_short in (False, True) if short else (False,):
         for k in range(full + 1):
@@ -85,11 +87,13 @@ def brute_force_mask(
     update: np.ndarray | None = None,
     *,
     chains: bool = False,
+    prefer: np.ndarray | None = None,
 ) -> Choice:
-    """Best mask over every subset of packs (or over the chains only), same objective, constraints, policy."""
+    """Best mask over every subset of packs (or over the chains only, ordered by ``prefer`` if given), same
+    objective, constraints, policy."""
     n, p = sens.size, config.pack_size
     packs = _packs(n, p)
-    masks = _chain_masks(sens, p) if chains else _all_masks(len(packs))
+    masks = _chain_masks(sens, p, prefer) if chains else _all_masks(len(packs))
     total = math.fsum(sens)
     level = 1.0 - config.C * math.exp(-config.B * budget)
     cap = budget_values(budget, n)
@@ -226,6 +230,47 @@ def test_solver_with_mi_is_exact_on_the_chains_and_never_beats_the_global_optimu
     glob = brute_force_mask(sens, budget, cfg, update)
     if res.gave_way is None:
         assert glob.gave_way is None and res.objective >= glob.obj - 1e-9
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(with_mi=True), st.data())
+def test_a_preference_reorders_the_chains_and_keeps_every_constraint(
+    inst: tuple, data: st.DataObject
+) -> None:
+    """``prefer`` (the cluster's consensus): exact on the preferred chains, the constraints are checked on the
+    device's own sensitivity as before, and a policy that met them without the preference still meets them."""
+    sens, budget, cfg, update = inst
+    n_packs = math.ceil(sens.size / cfg.pack_size)
+    prefer = np.array(data.draw(st.lists(st.booleans(), min_size=n_packs, max_size=n_packs)), dtype=bool)
+    res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
+    _check_consistent(res, sens, budget, cfg, update)
+    _same(res, brute_force_mask(sens, budget, cfg, update, chains=True, prefer=prefer))
+    plain = solve_mask(sens, budget, cfg, update=update)
+    if cfg.policy == "security-first":  # the budget may give way further, eq. 7 and 8 never
+        assert set(res.unmet) <= {"budget"} and set(plain.unmet) <= {"budget"}
+    # the mask is a prefix of the preferred chain: every preferred full pack, or only preferred ones
+    full = sens.size // cfg.pack_size
+    chosen, pref = res.mask[:full], prefer[:full]
+    assert not (chosen & ~pref).any() or (chosen | ~pref).all()
+
+
+def test_a_sufficient_preference_is_taken_instead_of_the_devices_own_top_packs() -> None:
+    """Ten packs; eq. 7 asks for 70 % at α = 0. The device's own top three cover 75 %. The cluster prefers
+    packs 0 and 2-5, which cover 74 % together: the device takes those five (not its pack 1, 20 %) and still
+    meets eq. 7."""
+    sens = np.array([40.0, 20.0, 15.0, 8.0, 6.0, 5.0, 3.0, 1.0, 1.0, 1.0]) / 100.0
+    cfg = MaskConfig(eta_mi=None)  # α = 0: level 1 - C = 0.7, the budget gives way
+    own = solve_mask(sens, 0.0, cfg)
+    assert np.flatnonzero(own.mask).tolist() == [0, 1, 2]
+    prefer = np.zeros(10, dtype=bool)
+    prefer[[0, 2, 3, 4, 5]] = True
+    res = solve_mask(sens, 0.0, cfg, prefer=prefer)
+    assert np.flatnonzero(res.mask).tolist() == [0, 2, 3, 4, 5]
+    assert res.covered_sensitivity == pytest.approx(0.74) and res.gave_way == "budget"
+    with pytest.raises(ConfigError, match="one bool per pack"):
+        solve_mask(sens, 0.0, cfg, prefer=prefer[:9])
+    with pytest.raises(ConfigError, match="one bool per pack"):
+        solve_mask(sens, 0.0, cfg, prefer=prefer.astype(int))
 
 
 def test_seeded_instances_cover_every_constraint_and_policy_outcome() -> None:
@@ -517,3 +562,60 @@ def test_benchmark_quick_writes_json(tmp_path: Path) -> None:
         (10_000, p, m) for p in (1, 64) for m in (False, True)
     }
     assert all(r["seconds_median"] > 0 and 0 <= r["ratio"] <= 1 for r in rows)
+
+
+# -- layer floors and the device's choice ---------------------------------------------------------------
+def test_linear_layers_from_shapes_match_the_model_specs() -> None:
+    from fedsdk.audit.forward import first_linear, last_linear
+    from fedsdk.masking import linear_layers
+    from fedsdk.model import lenet, mlp
+
+    for spec in (mlp(), mlp(hidden=(16,)), lenet()):
+        found = linear_layers([tuple(s) for s in spec.param_shapes])
+        first, last = first_linear(spec), last_linear(spec)
+        assert found[0] == (first.weight, first.bias) and found[-1] == (last.weight, last.bias)
+
+
+def test_floor_packs_cover_exactly_the_named_layers() -> None:
+    from fedsdk.masking import floor_packs
+    from fedsdk.model import lenet
+
+    shapes = [tuple(s) for s in lenet().param_shapes]  # convs 60 + 880 values, then Linear 64->120 at 940
+    first = floor_packs(shapes, ["first-linear"], 1)
+    assert first.sum() == 64 * 120 + 120 and first[940 : 940 + 7800].all() and not first[:940].any()
+    last = floor_packs(shapes, ["last-linear"], 1)
+    assert last.sum() == 850 and last[-850:].all()
+    packed = floor_packs(shapes, ["first-linear"], 26)  # packs that hold any value of the layer
+    assert packed.size == math.ceil(19754 / 26)
+    assert np.flatnonzero(packed).tolist() == list(range(940 // 26, math.ceil(8740 / 26)))
+    assert not floor_packs(shapes, [], 26).any()
+    with pytest.raises(ConfigError, match="unknown mask floor"):
+        floor_packs(shapes, ["conv"], 1)
+    with pytest.raises(ConfigError, match="no fully connected layer"):
+        floor_packs([(3, 3, 3, 3)], ["first-linear"], 1)
+
+
+def test_choose_mask_adds_the_floor_and_prefers_the_consensus() -> None:
+    from fedsdk.masking import floor_packs
+    from fedsdk.pipeline import choose_mask, encode_pack_mask
+
+    rng = np.random.default_rng(3)
+    shapes = [(16, 8), (16,), (4, 16), (4,)]
+    weights = [rng.normal(size=s) for s in shapes]
+    grads = [rng.normal(size=s) for s in shapes]
+    update = np.concatenate([rng.normal(scale=0.01, size=int(np.prod(s))) for s in shapes])
+    base = {"mask": "solver", "budget": 0.1, "mask_eta_mi": 0.0}
+    kw = {"weights": weights, "gradients": grads, "update": update, "pack_size": 4}
+    own = choose_mask(base, **kw)
+    floor = floor_packs(shapes, ["last-linear"], 4)
+    with_floor = choose_mask({**base, "mask_floor": "last-linear"}, **kw)
+    np.testing.assert_array_equal(with_floor.mask, own.mask | floor)
+    assert with_floor.ratio == pytest.approx((own.mask | floor).sum() * 4 / update.size)
+    assert with_floor.covered >= own.covered
+    # the consensus: the complement of the device's own mask, which alone covers enough (eq. 7 at α = 0.1)
+    prefer = ~own.mask
+    agreed = choose_mask({**base, "mask_consensus": encode_pack_mask(prefer)}, **kw)
+    assert agreed.covered >= 1 - 0.3 * math.exp(-0.15) - 1e-9
+    assert not (agreed.mask & ~prefer).any() or (agreed.mask | ~prefer).all()
+    with pytest.raises(ConfigError, match="mask_consensus"):
+        choose_mask({**base, "mask_consensus": encode_pack_mask(prefer[:-8])}, **kw)

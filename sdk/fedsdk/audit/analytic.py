@@ -41,7 +41,7 @@ import numpy as np
 
 from fedsdk.errors import ConfigError
 
-__all__ = ["LinearInversion", "invert_linear", "linear_candidates"]
+__all__ = ["LinearInversion", "invert_linear", "invert_through_linear", "linear_candidates"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,3 +179,36 @@ def linear_candidates(
     if value_range is not None:
         c = np.clip(c, value_range[0], value_range[1])
     return c
+
+
+def invert_through_linear(
+    h: LinearInversion,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    *,
+    value_range: tuple[float, float] | None = None,
+    rel_tol: float = 1e-6,
+) -> LinearInversion:
+    """One layer further back: the input ``a`` of a layer ``h = relu(W a + b)`` whose weights the attacker
+    knows (the global model), from an estimate ``h`` of its output (the next Linear layer's input, found by
+    :func:`invert_linear` on *that* layer's gradients). Each active unit (``h_i > 0`` with exact scale) is
+    one linear equation ``W_i a = h_i − b_i``; least squares (minimum norm when under-determined), then
+    clipped to ``a ≥ 0`` (ReLU outputs and pixels are non-negative) and to ``value_range``. This is how an
+    attacker gets around a mask that hides the first layer's gradients whole. ``recovered`` is all true when
+    the active equations determine ``a`` (rank = its size), else all false."""
+    w = np.asarray(weight, dtype=np.float64)
+    b = np.asarray(bias, dtype=np.float64)
+    if w.shape[0] != b.size:
+        w = w.T
+    n = w.shape[1]
+    scale = float(np.abs(h.x).max(initial=0.0))
+    use = h.exact_scale & (h.x > rel_tol * scale) if scale > 0 else np.zeros(b.size, dtype=bool)
+    if not use.any():
+        fill = 0.5 * (value_range[0] + value_range[1]) if value_range is not None else 0.0
+        return LinearInversion(np.full(n, fill), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool))
+    a, _res, rank, _sv = np.linalg.lstsq(w[use], h.x[use] - b[use], rcond=None)
+    a = np.maximum(a, 0.0)
+    if value_range is not None:
+        a = np.clip(a, value_range[0], value_range[1])
+    full = np.full(n, int(rank) >= n)
+    return LinearInversion(a, full, full.copy())

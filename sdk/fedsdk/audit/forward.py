@@ -17,7 +17,7 @@ import numpy as np
 from fedsdk.errors import ConfigError
 from fedsdk.model.layers import AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
-__all__ = ["LinearSite", "first_linear", "last_linear", "layer_input"]
+__all__ = ["LinearSite", "first_linear", "last_linear", "layer_input", "linear_sites"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ def _sites(spec: ModelSpec) -> list[LinearSite]:
             before = True
         pos += n
     return sites
+
+
+def linear_sites(spec: ModelSpec) -> list[LinearSite]:
+    """Every ``Linear`` layer of ``spec``, in order."""
+    return _sites(spec)
 
 
 def first_linear(spec: ModelSpec) -> LinearSite:

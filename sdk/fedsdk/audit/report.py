@@ -22,6 +22,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from fedsdk.audit.runner import AuditConfig, Row
 
@@ -67,7 +69,9 @@ class AuditReport:
         lines: list[str] = []
         cfg = self.config
         plain, dev, rnd = self.row("no mask"), self.row("device mask"), self.row("random mask")
-        where = f"the device mask ({cfg.metric}, α = {cfg.budget:g}, {self.solver['ratio']:.1%} encrypted)"
+        fl = f" + floor {','.join(cfg.floor)}" if cfg.floor else ""
+        enc = float(np.mean([s.ratio for s in dev.samples]))
+        where = f"the device mask ({cfg.metric}, α = {cfg.budget:g}{fl}, {enc:.1%} encrypted)"
         for attack in _ATTACK_FIELD:
             if not self.ran(attack):
                 continue
@@ -166,12 +170,13 @@ _COLUMNS = (  # (title, SampleScores field, format, attack)
 
 def _table(rows: list[tuple[str, Row]], report: AuditReport) -> list[str]:
     cols = [c for c in _COLUMNS if report.ran(c[3])]
-    head = f"{'mask':34s} {'enc.':>6s} " + " ".join(f"{c[0]:>13s}" for c in cols)
+    width = max([34, *(len(label) for label, _ in rows)])
+    head = f"{'mask':{width}s} {'enc.':>6s} " + " ".join(f"{c[0]:>13s}" for c in cols)
     lines = [head, "-" * len(head)]
     for label, row in rows:
         ratio = float(sum(s.ratio for s in row.samples) / len(row.samples))
         cells = " ".join(f"{_cell(row.mean(c[1]), c[2]):>13s}" for c in cols)
-        lines.append(f"{label:34s} {ratio:>6.1%} {cells}")
+        lines.append(f"{label:{width}s} {ratio:>6.1%} {cells}")
     return lines
 
 
@@ -190,6 +195,11 @@ def format_report(report: AuditReport) -> str:
         + (f", gave way: {s['gave_way']}" if s["gave_way"] else ""),
         f"analytic attack reconstructs {report.target}",
     ]
+    if cfg.floor:
+        enc = float(np.mean([x.ratio for x in report.row("device mask").samples]))
+        lines.insert(
+            3, f"mask floor: {', '.join(cfg.floor)} encrypted whole on top of the solver's mask -> {enc:.1%}"
+        )
     if report.ran("dlg"):
         inv = cfg.inversion_config
         lines.append(
@@ -201,7 +211,8 @@ def format_report(report: AuditReport) -> str:
     ]
     names = {
         "no mask": "no mask",
-        "device mask": f"device mask ({cfg.metric}, α = {cfg.budget:g})",
+        "device mask": f"device mask ({cfg.metric}, α = {cfg.budget:g}"
+        + (f" + {','.join(cfg.floor)})" if cfg.floor else ")"),
         "random mask": "random mask (same ratio)",
     }
     lines += _table([(names[r.name], r) for r in report.rows], report)

@@ -24,6 +24,19 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
     g.add_argument("--uniform-budget", type=float, default=0.1, help="maskcrypt's encrypted fraction")
     g.add_argument("--target-round", type=float, default=None, help="seconds the deadline budgets aim at")
     g.add_argument("--mask-eta-mi", type=float, default=2.0, help="eq. 8 bound in bits (0 drops it)")
+    g.add_argument(
+        "--mask-floor",
+        default="",
+        metavar="LAYERS",
+        help="whole layers every device also encrypts: first-linear, last-linear or both, comma separated "
+        "(defeats the analytic and label attacks of `fedsdk audit`, at their size; default none)",
+    )
+    g.add_argument(
+        "--mask-consensus",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="ask each cluster's devices to prefer the packs voted on last round (auto: fedsdk only)",
+    )
 
 
 def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -36,4 +49,6 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "uniform_budget": args.uniform_budget,
         "target_round_s": args.target_round,
         "mask_eta_mi": args.mask_eta_mi,
+        "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
+        "mask_floor": args.mask_floor,
     }

@@ -47,6 +47,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--metric", choices=METRICS, default="wg", help="sensitivity metric of the device mask")
     p.add_argument("--budget", type=float, default=0.1, help="the device's budget α (default 0.1)")
     p.add_argument(
+        "--mask-floor",
+        type=_names,
+        default=(),
+        metavar="LAYERS",
+        help="whole layers the device also encrypts, as `--mask-floor` of the coordinator: first-linear, "
+        "last-linear (comma separated; default none)",
+    )
+    p.add_argument(
         "--pack-size", type=int, default=1, help="mask granularity in values (default 1, the paper's)"
     )
     p.add_argument(
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         metric=args.metric,
         budget=args.budget,
         mask=mask,
+        floor=tuple(args.mask_floor),
         attacks=tuple(args.attacks),
         lr=args.lr,
         seed=args.seed,

@@ -289,6 +289,8 @@ def _summary(
                 "device_accuracy": r.metrics.get("device_accuracy"),
                 "accuracy": r.metrics.get("device_accuracy", r.metrics.get("test_accuracy")),
                 "encrypted_ratio": r.metrics.get("encrypted_ratio"),
+                "union_ratio": r.metrics.get("union_ratio"),
+                "consensus_ratio": r.metrics.get("consensus_ratio"),
                 "round_s": r.metrics.get("round_s"),
                 "clients": clients,
             }

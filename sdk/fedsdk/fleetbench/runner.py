@@ -66,10 +66,12 @@ class Arm:
     key_mode: str = "shared"
     uniform_budget: float | None = None  # maskcrypt's α (None: RoundConfig's default)
     target_round_s: float | None = None  # deadline budgets aim at this (None: the deadline)
+    consensus: bool | None = None  # the consensus mask (None: the strategy's default)
 
 
 def parse_arm(spec: str) -> Arm:
-    """``strategy[+cluster|-cluster][+keyserver]``, e.g. ``plaintext+cluster`` or ``fedsdk+keyserver``."""
+    """``strategy[+cluster|-cluster][+keyserver][+noconsensus]``, e.g. ``plaintext+cluster`` or
+    ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus mask."""
     from fedsdk_coordinator.strategies import strategy
 
     parts = spec.strip().split("+")
@@ -79,14 +81,19 @@ def parse_arm(spec: str) -> Arm:
         name, clustering = name[: -len("-cluster")], False
     strategy(name)  # ConfigError for an unknown name
     key_mode = "shared"
+    consensus: bool | None = None
     for m in mods:
         if m == "cluster":
             clustering = True
         elif m == "keyserver":
             key_mode = "keyserver"
+        elif m == "noconsensus":
+            consensus = False
         else:
-            raise ConfigError(f"unknown arm option {m!r} in {spec!r}: use +cluster, -cluster, +keyserver")
-    return Arm(spec.strip(), name, clustering, key_mode)
+            raise ConfigError(
+                f"unknown arm option {m!r} in {spec!r}: use +cluster, -cluster, +keyserver, +noconsensus"
+            )
+    return Arm(spec.strip(), name, clustering, key_mode, consensus=consensus)
 
 
 def prepare_data(sc: Scenario, work: Path, seed: int) -> dict[str, dict[str, str]]:
@@ -219,6 +226,7 @@ async def run_arm(
         target_round_s=arm.target_round_s,
         report_timeout_s=cfg.report_timeout_s,
         mask_policy=cfg.mask_policy,
+        mask_consensus=arm.consensus,
         **extra,
     )
     t0 = time.monotonic()

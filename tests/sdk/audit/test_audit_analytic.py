@@ -142,3 +142,26 @@ def test_batch_candidates_contain_a_sample_that_alone_activates_a_row() -> None:
     np.testing.assert_allclose(cands[1], xs[1])
     with pytest.raises(ConfigError):
         invert_linear(np.zeros(3), np.zeros(3))
+
+
+def test_going_back_through_a_known_layer_recovers_its_input_when_enough_units_are_active() -> None:
+    """h = relu(W a + b) with 40 units and 8 inputs: the active units determine a exactly; hidden or
+    unscaled units are not used; too few active units give the minimum-norm guess, marked unrecovered."""
+    from fedsdk.audit.analytic import LinearInversion, invert_through_linear
+
+    rng = np.random.default_rng(5)
+    w, b = rng.normal(size=(40, 8)), rng.normal(scale=0.1, size=40)
+    a = rng.uniform(0, 1, 8)
+    h = np.maximum(w @ a + b, 0.0)
+    known = np.ones(40, dtype=bool)
+    got = invert_through_linear(LinearInversion(h, known, known), w, b, value_range=(0.0, 1.0))
+    np.testing.assert_allclose(got.x, a, atol=1e-9)
+    assert got.recovered.all()
+    got_t = invert_through_linear(LinearInversion(h, known, known), w.T, b)  # the other weight layout
+    np.testing.assert_allclose(got_t.x, a, atol=1e-9)
+    few = np.zeros(40, dtype=bool)
+    few[np.flatnonzero(h > 0)[:5]] = True  # five equations for eight unknowns
+    under = invert_through_linear(LinearInversion(h, few, few), w, b)
+    assert not under.recovered.any() and np.all(under.x >= 0)
+    none = invert_through_linear(LinearInversion(np.zeros(40), known, known), w, b, value_range=(0.0, 1.0))
+    np.testing.assert_array_equal(none.x, np.full(8, 0.5))

@@ -70,6 +70,33 @@ def test_issue_target_cnn_batch_one_analytic_on_the_unmasked_update() -> None:
     assert any(line.startswith("NOT PROTECTED" if device >= 12.0 else "protected") for line in lines)
 
 
+def test_mask_floors_on_the_cnn_and_the_two_layer_attacker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hiding the first Linear layer whole (39.5 % of LeNet) stops the one-layer analytic attack, but the
+    attacker who reconstructs the second layer's input and goes back through the known first layer still
+    gets the feature map (NOT PROTECTED); hiding the second layer too stops both, at 93 % encrypted. The
+    labels, read from the last layer, need the last-linear floor."""
+    out = tmp_path / "floor.json"
+    args = ["audit", "--model", "cnn", "--samples", "2", "--attacks", "analytic,labels"]
+    assert main([*args, "--mask-floor", "first-linear", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mask floor: first-linear" in text and "device mask (wg, α = 0.1 + first-linear)" in text
+    data = json.loads(out.read_text())
+    dev, rnd = data["rows"][1], data["rows"][2]
+    assert dev["ratio"] >= 7800 / 19754 and rnd["ratio"] == pytest.approx(dev["ratio"])
+    assert dev["analytic_chained_psnr"] >= 12.0 and dev["analytic_psnr"] == dev["analytic_chained_psnr"]
+    assert any(line.startswith("NOT PROTECTED: analytic") for line in data["findings"])
+    assert any(line.startswith("NOT PROTECTED: label") for line in data["findings"])
+    assert data["config"]["floor"] == ["first-linear"]
+    both = ["--mask-floor", "first-linear,second-linear,last-linear", "--json", str(out)]
+    assert main([*args, *both, "--check"]) == 0  # every attack that ran is stopped: exit 0
+    data = json.loads(out.read_text())
+    assert data["rows"][1]["analytic_psnr"] < 12.0 and data["rows"][1]["label_acc"] < 0.5
+    assert main(["audit", "--mask-floor", "middle"]) == 2
+    assert "unknown mask floor" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not torch_available(), reason="PyTorch is not installed")
 def test_cli_with_the_optimisation_attack(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", "--samples", "1", "--attacks", "dlg", "--dlg-iterations", "5"]) == 0
