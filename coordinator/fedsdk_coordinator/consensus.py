@@ -13,7 +13,8 @@ round, and a client may end up protecting less of its own sensitivity than it wa
 * **No extra round-trip**: the consensus of round t is voted on the masks of round t − 1 (the coordinator
   holds them: masks travel in the clear) and rides in round t's task (``config["mask_consensus"]``,
   :func:`fedsdk.pipeline.encode_pack_mask`). Sensitivity rankings move slowly between rounds, so last
-  round's vote is a good guess; the first training round has none.
+  round's vote is a good guess; the first training round has none, and neither has the first round after
+  a coordinator restart (the consensus is not stored: it is a hint, rebuilt from the next round's masks).
 * **A preference, not an order**: a device solves its own mask with the consensus packs first in its
   chains (``fedsdk.masking.solve_mask(prefer=...)``), so it still meets eq. 7 and 8 on its *own*
   sensitivity; the consensus can cost it values, never protection. A coordinator that sends a bad
