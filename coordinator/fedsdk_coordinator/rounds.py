@@ -48,7 +48,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.crypto import HEBackend, aggregate_contributions
 from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
-from fedsdk.masking import FLOORS
+from fedsdk.masking import FLOORS, floor_packs
 from fedsdk.model import GraphBundle, OnnxModel
 from fedsdk.protocol import (
     Aggregate,
@@ -271,6 +271,7 @@ class RoundEngine:
         self.completed_round = 0
         self.shapes = [tuple(w.shape) for w in self.initial]
         self.n_values = int(sum(int(np.prod(s)) for s in self.shapes))
+        floor_packs(self.shapes, floors, 1)  # ConfigError here, not on every device, if a layer is missing
         self._restore()
 
     def _restore(self) -> None:
