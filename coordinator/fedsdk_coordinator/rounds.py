@@ -48,7 +48,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.crypto import HEBackend, aggregate_contributions
 from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
-from fedsdk.masking import FLOORS, floor_packs
+from fedsdk.masking import floor_packs, parse_floors
 from fedsdk.model import GraphBundle, OnnxModel
 from fedsdk.protocol import (
     Aggregate,
@@ -212,11 +212,10 @@ class RoundEngine:
         self.strategy = strategy(config.strategy)
         wanted = self.strategy.consensus if config.mask_consensus is None else config.mask_consensus
         self.consensus = bool(wanted) and self.strategy.mask == "solver"
-        floors = [f.strip() for f in config.mask_floor.split(",") if f.strip()]
-        if any(f not in FLOORS for f in floors) or (floors and self.strategy.mask in ("none", "all")):
+        floors = parse_floors(config.mask_floor)  # names checked with the model's layers, below
+        if floors and self.strategy.mask in ("none", "all"):
             raise ConfigError(
-                f"mask floor {config.mask_floor!r}: give a comma list of {', '.join(FLOORS)}, "
-                "with a strategy that masks (maskcrypt, sensecrypt, fedsdk)"
+                f"mask floor {config.mask_floor!r} needs a masking strategy (maskcrypt, sensecrypt, fedsdk)"
             )
         if config.key_mode not in ("shared", "keyserver"):
             raise ConfigError(f"key mode must be shared or keyserver, got {config.key_mode!r}")
@@ -271,7 +270,7 @@ class RoundEngine:
         self.completed_round = 0
         self.shapes = [tuple(w.shape) for w in self.initial]
         self.n_values = int(sum(int(np.prod(s)) for s in self.shapes))
-        floor_packs(self.shapes, floors, 1)  # ConfigError here, not on every device, if a layer is missing
+        floor_packs(self.shapes, floors, 1)  # ConfigError here, not on every device: a bad name or layer
         self._restore()
 
     def _restore(self) -> None:

@@ -71,6 +71,7 @@ __all__ = [
     "mi_edges",
     "mutual_information",
     "pack_sensitivity",
+    "parse_floors",
     "security_level",
     "solve_mask",
     "value_mask",
@@ -264,6 +265,12 @@ def linear_layers(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int | No
         nxt = shapes[i + 1] if i + 1 < len(shapes) else None
         out.append((i, i + 1 if nxt is not None and len(nxt) == 1 and nxt[0] in s else None))
     return out
+
+
+def parse_floors(text: str) -> tuple[str, ...]:
+    """``"first-linear, last-linear"`` -> the names (the task config and CLI form); checked by
+    :func:`floor_packs`."""
+    return tuple(f.strip() for f in text.split(",") if f.strip())
 
 
 def floor_packs(shapes: Sequence[tuple[int, ...]], floors: Sequence[str], pack_size: int) -> np.ndarray:

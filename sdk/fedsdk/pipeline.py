@@ -35,7 +35,7 @@ import numpy as np
 from fedsdk.crypto import Aggregate as HEAggregate
 from fedsdk.crypto import Contribution, HEBackend
 from fedsdk.errors import ConfigError, CryptoError
-from fedsdk.masking import MaskConfig, floor_packs, pack_sensitivity, solve_mask
+from fedsdk.masking import MaskConfig, floor_packs, pack_sensitivity, parse_floors, solve_mask
 from fedsdk.model import OnnxModel
 from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, join_parts
 from fedsdk.protocol.fields import MAX_SCALAR_TEXT
@@ -198,7 +198,7 @@ def choose_mask(
         mask, gave_way = res.mask, res.gave_way
     else:
         raise ConfigError(f"unknown mask mode {mode!r}")
-    floors = [f.strip() for f in str(config.get("mask_floor", "")).split(",") if f.strip()]
+    floors = parse_floors(str(config.get("mask_floor", "")))
     if floors:  # the solver is not told: the floor is added whatever eq. 4-9 chose (docs/audit.md)
         mask = mask | floor_packs([tuple(np.shape(w)) for w in weights], floors, pack_size)
     hidden = np.repeat(mask, pack_size)[:n]

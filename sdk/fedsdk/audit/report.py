@@ -22,8 +22,6 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
     from fedsdk.audit.runner import AuditConfig, Row
 
@@ -70,8 +68,7 @@ class AuditReport:
         cfg = self.config
         plain, dev, rnd = self.row("no mask"), self.row("device mask"), self.row("random mask")
         fl = f" + floor {','.join(cfg.floor)}" if cfg.floor else ""
-        enc = float(np.mean([s.ratio for s in dev.samples]))
-        where = f"the device mask ({cfg.metric}, α = {cfg.budget:g}{fl}, {enc:.1%} encrypted)"
+        where = f"the device mask ({cfg.metric}, α = {cfg.budget:g}{fl}, {dev.encrypted:.1%} encrypted)"
         for attack in _ATTACK_FIELD:
             if not self.ran(attack):
                 continue
@@ -174,7 +171,7 @@ def _table(rows: list[tuple[str, Row]], report: AuditReport) -> list[str]:
     head = f"{'mask':{width}s} {'enc.':>6s} " + " ".join(f"{c[0]:>13s}" for c in cols)
     lines = [head, "-" * len(head)]
     for label, row in rows:
-        ratio = float(sum(s.ratio for s in row.samples) / len(row.samples))
+        ratio = row.encrypted
         cells = " ".join(f"{_cell(row.mean(c[1]), c[2]):>13s}" for c in cols)
         lines.append(f"{label:{width}s} {ratio:>6.1%} {cells}")
     return lines
@@ -196,7 +193,7 @@ def format_report(report: AuditReport) -> str:
         f"analytic attack reconstructs {report.target}",
     ]
     if cfg.floor:
-        enc = float(np.mean([x.ratio for x in report.row("device mask").samples]))
+        enc = report.row("device mask").encrypted
         lines.insert(
             3, f"mask floor: {', '.join(cfg.floor)} encrypted whole on top of the solver's mask -> {enc:.1%}"
         )

@@ -153,9 +153,14 @@ class Row:
         values = [getattr(s, name) for s in self.samples if getattr(s, name) is not None]
         return capped_mean(values, PSNR_CAP)
 
+    @property
+    def encrypted(self) -> float:
+        """The mean encrypted ratio over the samples."""
+        return float(np.mean([s.ratio for s in self.samples]))
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "metric": self.metric, "requested_ratio": self.ratio}
-        out["ratio"] = float(np.mean([s.ratio for s in self.samples]))
+        out["ratio"] = self.encrypted
         out.update({f: self.mean(f) for f in _FIELDS})
         return out
 

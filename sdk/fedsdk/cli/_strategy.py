@@ -28,8 +28,8 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         "--mask-floor",
         default="",
         metavar="LAYERS",
-        help="whole layers every device also encrypts: first-linear, last-linear or both, comma separated "
-        "(defeats the analytic and label attacks of `fedsdk audit`, at their size; default none)",
+        help="whole Linear layers every device also encrypts, comma separated: first-linear, second-linear, "
+        "last-linear (what each stops, measured: docs/audit.md; default none)",
     )
     g.add_argument(
         "--mask-consensus",

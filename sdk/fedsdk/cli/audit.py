@@ -52,7 +52,7 @@ def add_parser(sub: Any) -> None:
         default=(),
         metavar="LAYERS",
         help="whole layers the device also encrypts, as `--mask-floor` of the coordinator: first-linear, "
-        "last-linear (comma separated; default none)",
+        "second-linear, last-linear (comma separated; default none)",
     )
     p.add_argument(
         "--pack-size", type=int, default=1, help="mask granularity in values (default 1, the paper's)"
