@@ -175,6 +175,7 @@ def deadline_plan(
     encrypt_s_per_value_warm: float | None = None,
     floor: float = 0.0,
     union_factor: float | None = None,
+    decrypt_shares: Mapping[str, float] | None = None,
 ) -> dict[str, DeadlineBudget]:
     """Deadline budgets with diagnostics (ours; DESIGN.md step 3). For each device, with k = α·n encrypted:
 
@@ -197,9 +198,12 @@ def deadline_plan(
     by the deadline) can encrypt K values *and* decrypt U(K) in time, T_i(K) + U(K) / d_i ≤ deadline with
     d_i = ``decrypt_values_per_s`` (monotone in K: bisection); each device then gets k_i = min(K, the largest
     k with T_i(k) + U(K) / d_i ≤ deadline). Devices without a measured d_i do not constrain K and pay no
-    modelled decryption (the first HE round measures it). Decision: the deadline is the whole round's, so
-    a cluster whose slowest device has no slack gets K ≈ 0, and the mask solver's security floor (eq. 7)
-    then decides what is encrypted; the plan says so instead of budgets nobody can keep.
+    modelled decryption (the first HE round measures it). With cooperative decryption (``decrypt_shares``:
+    device → its fraction s_i of the union, coop.py) device i decrypts s_i·U(K) instead of U(K); it still
+    waits for the others' shares, but they are split in proportion to speed, so s_j·U / d_j is about the
+    same for every j and the device's own term stands for the wait. Decision: the deadline is the whole
+    round's, so a cluster whose slowest device has no slack gets K ≈ 0, and the mask solver's security floor
+    (eq. 7) then decides what is encrypted; the plan says so instead of budgets nobody can keep.
     """
     _check_unique(devices)
     if n_values < 1:
@@ -219,6 +223,9 @@ def deadline_plan(
     def warm_of(d: DeviceCapacity) -> int:
         return min(d.pool_values, n) if encrypt_s_per_value_warm is not None else 0
 
+    def share(d: DeviceCapacity) -> float:
+        return 1.0 if decrypt_shares is None else float(decrypt_shares.get(d.client_id, 1.0))
+
     cap, union = float(n), 0.0
     if union_factor is not None:
         factor = union_factor
@@ -233,7 +240,8 @@ def deadline_plan(
         def fits(k: float) -> bool:
             u = min(float(n), factor * k)
             return all(
-                _round_time(d, k, n, p, c, warm_of(d), t_warm) + u / d.decrypt_values_per_s <= deadline_s  # type: ignore[operator]
+                _round_time(d, k, n, p, c, warm_of(d), t_warm) + share(d) * u / d.decrypt_values_per_s  # type: ignore[operator]
+                <= deadline_s
                 for d in binding
             )
 
@@ -247,7 +255,11 @@ def deadline_plan(
     plan: dict[str, DeadlineBudget] = {}
     for d in devices:
         warm = warm_of(d)
-        dec_s = union / d.decrypt_values_per_s if union_factor is not None and d.decrypt_values_per_s else 0.0
+        dec_s = (
+            share(d) * union / d.decrypt_values_per_s
+            if union_factor is not None and d.decrypt_values_per_s
+            else 0.0
+        )
         k = _max_values(d, deadline_s - dec_s, n, p, c, warm, t_warm) if deadline_s > dec_s else None
         if k is not None:
             k = min(k, cap)
@@ -274,6 +286,7 @@ def deadline_budgets(
     encrypt_s_per_value_warm: float | None = None,
     floor: float = 0.0,
     union_factor: float | None = None,
+    decrypt_shares: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """α per device from :func:`deadline_plan` (use that to see which devices cannot meet the deadline)."""
     plan = deadline_plan(
@@ -285,5 +298,6 @@ def deadline_budgets(
         encrypt_s_per_value_warm=encrypt_s_per_value_warm,
         floor=floor,
         union_factor=union_factor,
+        decrypt_shares=decrypt_shares,
     )
     return {k: v.alpha for k, v in plan.items()}

@@ -54,6 +54,7 @@ from fedsdk.protocol import (
     Aggregate,
     BaseMessage,
     Bye,
+    DecryptShare,
     EncryptedUpdate,
     Error,
     Hello,
@@ -73,6 +74,7 @@ from fedsdk_coordinator.aggregate import fedavg
 from fedsdk_coordinator.budgets import DeviceCapacity, deadline_budgets, sensecrypt_budgets
 from fedsdk_coordinator.clustering import Clustering, assign_nearest, cluster_sketches
 from fedsdk_coordinator.consensus import consensus_mask
+from fedsdk_coordinator.coop import share_split
 from fedsdk_coordinator.resume import StoredRound, check_identity, load_resume
 from fedsdk_coordinator.store import RoundPlan, Store
 from fedsdk_coordinator.strategies import strategy
@@ -130,6 +132,8 @@ class RoundConfig:
     mask_eta_mi: float = 2.0
     mask_policy: str = "security-first"
     mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
+    coop_decrypt: bool | None = None  # None: the strategy's default (coop.py; key mode shared only)
+    share_wait_s: float = 1.0  # how long a device waits for the others' shares before decrypting them
     mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
     sketch_dim: int = 32
     dp_epsilon: float = 0.0
@@ -151,6 +155,8 @@ class _RoundState:
     tasked: set[str] = field(default_factory=set)  # sent the task since their last hello
     collecting: bool = True  # still taking replies (False once aggregation starts)
     union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
+    shares: dict[str, tuple[float, float]] = field(default_factory=dict)  # cooperative decryption (coop.py)
+    shared: set[str] = field(default_factory=set)  # devices whose decryption share was relayed
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reported: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -212,6 +218,12 @@ class RoundEngine:
         self.strategy = strategy(config.strategy)
         wanted = self.strategy.consensus if config.mask_consensus is None else config.mask_consensus
         self.consensus = bool(wanted) and self.strategy.mask == "solver"
+        coop = self.strategy.coop if config.coop_decrypt is None else config.coop_decrypt
+        if coop and config.coop_decrypt and self.strategy.backend != "packed":
+            raise ConfigError(f"cooperative decryption needs the packed backend, not {self.strategy.name}")
+        self.coop = bool(coop) and self.strategy.backend == "packed" and config.key_mode == "shared"
+        if not 0.0 <= config.share_wait_s <= 3600.0:
+            raise ConfigError(f"share_wait_s must be in [0, 3600], got {config.share_wait_s}")
         floors = parse_floors(config.mask_floor)  # names checked with the model's layers, below
         if floors and self.strategy.mask in ("none", "all"):
             raise ConfigError(
@@ -346,6 +358,8 @@ class RoundEngine:
                 self._on_sketch(client_id, msg, payload)
             elif isinstance(msg, Report):
                 self._on_report(client_id, msg)
+            elif isinstance(msg, DecryptShare):
+                self._on_share(client_id, msg, payload)
             elif isinstance(msg, Update | EncryptedUpdate | Error):
                 self._on_reply(client_id, msg, payload)
         except ValidationError as exc:
@@ -452,10 +466,26 @@ class RoundEngine:
         if isinstance(reply, EncryptedUpdate) and up_s > 0:
             m.blend("uplink_bytes_per_s", (len(reply.ciphertexts) + len(reply.plaintexts)) / up_s)
         dec_s = msg.metrics.get("decrypt_s", 0.0)
-        if self.he is not None and self.config.key_mode == "shared" and rnd.union_packs and dec_s > 0:
-            m.blend("decrypt_values_per_s", rnd.union_packs * self.he.pack_size / dec_s)
+        decrypted = msg.metrics.get("decrypted_packs", float(rnd.union_packs))  # fewer with coop.py
+        if self.he is not None and self.config.key_mode == "shared" and decrypted > 0 and dec_s > 0:
+            m.blend("decrypt_values_per_s", decrypted * self.he.pack_size / dec_s)
         if set(rnd.reports) >= {c for c, r in rnd.replies.items() if not isinstance(r, Error)}:
             rnd.reported.set()
+
+    def _on_share(self, client_id: str, msg: DecryptShare, payload: bytes) -> None:
+        """Relay a device's sealed decryption share to its cluster, unopened (coop.py)."""
+        rnd = self._rounds.get(msg.cluster_id)
+        if rnd is None or rnd.round_id != msg.round_id or rnd.collecting or client_id not in rnd.shares:
+            raise ValidationError("stale_round", f"share for round {msg.round_id} outside that round")
+        if client_id in rnd.shared:
+            raise ValidationError("duplicate", f"second share from {client_id} in round {rnd.round_id}")
+        assert self.he is not None
+        packs = msg.pack_indices
+        if packs.size > rnd.union_packs or int(packs[-1]) >= self.he.num_packs(self.n_values):
+            raise ValidationError("bad_field", f"share of {packs.size} packs up to {int(packs[-1])}")
+        self._seen(client_id)
+        rnd.shared.add(client_id)
+        self._post(T.cluster(self.config.federation, rnd.cluster_id), payload)
 
     def _duplicate(self, rnd: _RoundState, client_id: str, payload: bytes) -> None:
         """A second reply in a round: the same bytes are a re-send (ignored), anything else is rejected."""
@@ -539,7 +569,19 @@ class RoundEngine:
                 m.blend("he_values_per_s", cold * self.he.pack_size / enc_s)
 
     # -- budgets (paper 000 §3.2, and ours) -------------------------------------------------------
-    def _budgets(self, members: Sequence[str], cluster_id: int) -> dict[str, float]:
+    def _shares(self, members: Sequence[str]) -> dict[str, tuple[float, float]]:
+        """Each member's fraction of the union to decrypt for the cluster (coop.py); empty when off."""
+        if not self.coop:
+            return {}
+        speeds: dict[str, float | None] = {}
+        for cid in members:
+            m = self.measured.get(cid, _Measured())
+            speeds[cid] = m.decrypt_values_per_s or m.he_values_per_s
+        return share_split(speeds)
+
+    def _budgets(
+        self, members: Sequence[str], cluster_id: int, shares: dict[str, tuple[float, float]] | None = None
+    ) -> dict[str, float]:
         kind = self.strategy.budgets
         if kind == "none":
             return dict.fromkeys(members, 0.0)
@@ -557,7 +599,8 @@ class RoundEngine:
             return sensecrypt_budgets(caps)
         assert self.he is not None
         ct = self.he.ciphertext_nbytes or 80 * self.he.pack_size
-        # key mode shared: every device decrypts the cluster's union, so it counts (budgets.py)
+        # key mode shared: every device decrypts the cluster's union, or its share of it (coop.py), so it
+        # counts (budgets.py)
         shared = self.config.key_mode == "shared"
         return deadline_budgets(
             caps,
@@ -567,6 +610,7 @@ class RoundEngine:
             plain_bytes_per_value=self.he.plaintext_nbytes / self.he.pack_size,
             floor=self.config.budget_floor,
             union_factor=self._union_factor.get(cluster_id, 1.0) if shared else None,
+            decrypt_shares={c: hi - lo for c, (lo, hi) in shares.items()} if shares else None,
         )
 
     def _capacity(self, client_id: str) -> DeviceCapacity:
@@ -623,6 +667,10 @@ class RoundEngine:
         }
         if phase == "train" and cluster_id in self._consensus:
             config["mask_consensus"] = self._consensus[cluster_id]
+        rnd = self._rounds.get(cluster_id)
+        if phase == "train" and rnd is not None and rnd.round_id == round_id and client_id in rnd.shares:
+            config["share_lo"], config["share_hi"] = rnd.shares[client_id]
+            config["share_wait_s"] = c.share_wait_s
         task = Task(
             federation=c.federation,
             round_id=round_id,
@@ -743,10 +791,11 @@ class RoundEngine:
                 continue
             groups.setdefault(self.clusters.get(cid, 0), []).append(cid)
         now = time.monotonic()
-        rounds = [
-            _RoundState(round_id, k, set(members), now, budgets=self._budgets(members, k))
-            for k, members in sorted(groups.items())
-        ]
+        rounds = []
+        for k, members in sorted(groups.items()):
+            shares = self._shares(members)
+            budgets = self._budgets(members, k, shares)
+            rounds.append(_RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares))
         self.store.plan_round(
             [RoundPlan(r.round_id, r.cluster_id, tuple(sorted(r.participants)), r.budgets) for r in rounds]
         )

@@ -14,7 +14,10 @@ coordinator ends up with. Decision: this keeps the round to one message per devi
 round-trip to agree on the mask first would only add latency to the baseline.
 
 ``fedsdk`` alone sends each cluster a consensus mask voted on the previous round's masks, which the devices'
-solvers prefer (:mod:`fedsdk_coordinator.consensus`); ``RoundConfig.mask_consensus`` overrides that.
+solvers prefer (:mod:`fedsdk_coordinator.consensus`); ``RoundConfig.mask_consensus`` overrides that. It
+alone also splits the decryption of each aggregate among the cluster's devices in key mode ``shared``
+(:mod:`fedsdk_coordinator.coop`); ``RoundConfig.coop_decrypt`` overrides that. The paper baselines keep
+their papers' protocols: every device decrypts the whole aggregate.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Strategy:
     mask: str  # none | all | topk | solver
     pool: bool
     consensus: bool = False  # send the cluster's consensus mask with each task (mask = solver only)
+    coop: bool = False  # split each aggregate's decryption among the cluster (packed backend, shared keys)
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -44,7 +48,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("plain-he", "paillier", False, "full", "all", False),
         Strategy("maskcrypt", "paillier", False, "uniform", "topk", False),
         Strategy("sensecrypt", "paillier", True, "sensecrypt", "solver", False),
-        Strategy("fedsdk", "packed", True, "deadline", "solver", True, consensus=True),
+        Strategy("fedsdk", "packed", True, "deadline", "solver", True, consensus=True, coop=True),
     )
 }
 

@@ -37,6 +37,12 @@ Restarts and reconnects (tracker issue 5, item 5; ``docs/operations.md``, "Crash
 * An aggregate is applied once, for a round this device trained in and its cluster: a retained aggregate
   seen again after a reconnect, or one for another round, is counted (``stale_round``) and ignored.
 
+Cooperative decryption (:mod:`fedsdk.coop`): when the task gives the device a share of the aggregate's
+union, it decrypts that share, publishes it sealed, and assembles the rest from its cluster's shares,
+decrypting itself whatever has not arrived ``share_wait_s`` after its own. Aggregates are therefore applied
+in a task of their own, so that the message loop keeps taking shares meanwhile; a new task waits for the
+aggregates still being applied.
+
 States: ``unopened`` -> ``open`` (inside ``async with``) -> ``closed``; any other use raises StateError.
 """
 
@@ -52,7 +58,9 @@ from typing import Any
 import numpy as np
 
 from fedsdk import __version__, pipeline
+from fedsdk.coop import PeerShare, ShareBook, share_ranks, share_wait
 from fedsdk.crypto import HEBackend
+from fedsdk.crypto.shares import ShareSealer
 from fedsdk.errors import (
     ConfigError,
     CryptoError,
@@ -69,6 +77,7 @@ from fedsdk.protocol import (
     Aggregate,
     BaseMessage,
     Bye,
+    DecryptShare,
     EncryptedAggregate,
     Error,
     Hello,
@@ -119,6 +128,8 @@ class _Pending:
     task: Task
     base: list[np.ndarray]  # the model the device trained from
     upload_s: float = 0.0
+    book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
+    applying: bool = False  # its aggregate is being applied
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,8 @@ class FedClient:
         self._model_round = -1  # the round of the model this device holds (-1: none yet)
         self._reconnected = asyncio.Event()
         self._pending: dict[int, _Pending] = {}
+        self._applying: set[asyncio.Task[None]] = set()
+        self._sealer: ShareSealer | None = None
         self._cluster_topic: str | None = None
         self._shapes: list[tuple[int, ...]] = []
         self._he_vps: float | None = None
@@ -245,7 +258,9 @@ class FedClient:
             self.summary.state = "timeout"
         finally:
             rehello.cancel()
-            await asyncio.gather(rehello, return_exceptions=True)
+            for t in self._applying:
+                t.cancel()
+            await asyncio.gather(rehello, *self._applying, return_exceptions=True)
         self.summary.rejected = self.rejected.as_dict()
         return self.summary
 
@@ -280,7 +295,9 @@ class FedClient:
                     elif isinstance(decoded, Task) and msg.topic == T.down(self.federation, self.client_id):
                         await self._on_task(decoded)
                     elif isinstance(decoded, Aggregate | EncryptedAggregate):
-                        await self._on_aggregate(decoded)
+                        self._start_apply(decoded)
+                    elif isinstance(decoded, DecryptShare) and msg.topic == self._cluster_topic:
+                        self._on_share(decoded)
                     else:
                         self.rejected.add("bad_kind")
                         log.warning("unexpected %s on %s", type(decoded).__name__, msg.topic)
@@ -363,6 +380,8 @@ class FedClient:
             self.summary.cluster_id = cluster_id
 
     async def _on_task(self, task: Task) -> None:
+        if self._applying:  # the task may build on the model an aggregate still being applied makes
+            await asyncio.gather(*self._applying, return_exceptions=True)
         phase = str(task.config.get("phase", "train"))
         ans = self._answer
         if ans is not None and ans.answers(task, phase):
@@ -538,12 +557,21 @@ class FedClient:
         )
         return msg, record
 
-    def _apply(self, agg: Aggregate | EncryptedAggregate, pending: _Pending) -> dict[str, float]:
+    def _decrypt_packs(self, agg: EncryptedAggregate, cts: list[bytes]) -> list[Any]:
+        """Raw decryptions of some of ``agg``'s ciphertexts (in the executor; timed by the caller)."""
+        he = self._he
+        assert he is not None
+        return he.raw_decrypt_many([he.raw_ciphertext_from_bytes(b) for b in cts])
+
+    def _apply(
+        self, agg: Aggregate | EncryptedAggregate, pending: _Pending, sums: list[Any] | None = None
+    ) -> dict[str, float]:
+        """Make the round's model from ``agg`` (with ``sums``, the raw decryptions of its ciphertexts, for
+        an encrypted one) and evaluate it."""
         t0 = time.perf_counter()
         if isinstance(agg, EncryptedAggregate):
-            if self._he is None or not self._he.can_decrypt:
-                raise CryptoError("an encrypted aggregate needs the secret key (key mode 'shared')")
-            avg = self._he.decrypt_aggregate(pipeline.he_aggregate_from_message(agg))
+            assert self._he is not None and sums is not None
+            avg = self._he.merge_aggregate(pipeline.he_aggregate_from_message(agg), sums)
             delta = pipeline.unflatten(avg, [tuple(w.shape) for w in pending.base])
             new = [b + d for b, d in zip(pending.base, delta, strict=True)]
         elif agg.kind == "delta":  # from the key server: one flat array, or one array per parameter
@@ -558,7 +586,7 @@ class FedClient:
             new = [np.array(w, dtype=np.float32) for w in agg.weights]
         if [w.shape for w in new] != [w.shape for w in pending.base]:
             raise ValidationError("wrong_shape", "aggregate does not match the model's shapes")
-        out = {"decrypt_s": time.perf_counter() - t0, "upload_s": pending.upload_s}
+        out = {"merge_s": time.perf_counter() - t0, "upload_s": pending.upload_s}
         self.weights = new
         if self._eval is not None and self._model_id is not None:
             x, y = self._eval
@@ -566,24 +594,176 @@ class FedClient:
             out.update(test_loss=loss, test_accuracy=acc)
         return out
 
+    # -- cooperative decryption (coop.py) ----------------------------------------------------------
+    def _share_sealer(self) -> ShareSealer | None:
+        if (
+            self._sealer is None
+            and self._he is not None
+            and self._he.can_decrypt
+            and self._he.name == "packed"
+        ):
+            self._sealer = ShareSealer(self._he)
+        return self._sealer
+
+    def _on_share(self, msg: DecryptShare) -> None:
+        """A share relayed on our cluster topic: open it and keep it for its round (its packs are checked
+        against the aggregate when they are used)."""
+        pending = self._pending.get(msg.round_id)
+        if msg.client_id == self.client_id or pending is None or msg.cluster_id != pending.task.cluster_id:
+            return  # our own echo, or a round this device is not applying: nothing to do
+        sealer = self._share_sealer()
+        if sealer is None:
+            return
+        try:
+            plains = sealer.open(
+                msg.sealed,
+                federation=self.federation,
+                round_id=msg.round_id,
+                cluster_id=msg.cluster_id,
+                client_id=msg.client_id,
+                packs=msg.pack_indices,
+            )
+        except CryptoError as exc:
+            self.rejected.add("bad_share")
+            log.warning("round %d: share of %s refused: %s", msg.round_id, msg.client_id, exc)
+            return
+        pending.book.add(PeerShare(msg.client_id, np.array(msg.pack_indices, dtype=np.int64), plains))
+
+    async def _decrypt(
+        self, agg: EncryptedAggregate, pending: _Pending
+    ) -> tuple[list[Any], dict[str, float]]:
+        """The raw decryptions of all of ``agg``'s ciphertexts: ours, and the cluster's shares when the task
+        asked for cooperative decryption (module docstring)."""
+        he = self._he
+        if he is None or not he.can_decrypt:
+            raise CryptoError("an encrypted aggregate needs the secret key (key mode 'shared')")
+        loop = asyncio.get_running_loop()
+        hagg = pipeline.he_aggregate_from_message(agg)
+        union = np.flatnonzero(he.check_aggregate(hagg))
+        cts = list(hagg.ciphertexts)
+        ranks = share_ranks(pending.task.config, len(union))
+        sealer = self._share_sealer() if ranks is not None else None
+        got: dict[int, Any] = {}  # rank -> raw plaintext
+        spent = 0.0
+
+        async def decrypt(which: list[int]) -> None:
+            nonlocal spent
+            t0 = time.perf_counter()
+            plains = await loop.run_in_executor(None, self._decrypt_packs, agg, [cts[r] for r in which])
+            spent += time.perf_counter() - t0
+            got.update(zip(which, plains, strict=True))
+
+        if ranks is None or sealer is None:
+            if cts:
+                await decrypt(list(range(len(cts))))
+            return [got[r] for r in range(len(cts))], {"decrypt_s": spent, "decrypted_packs": float(len(cts))}
+        a, b = ranks
+        if b > a:
+            await decrypt(list(range(a, b)))
+            packs = union[a:b].astype(np.int32)
+            sealed = sealer.seal(
+                [got[r] for r in range(a, b)],
+                federation=self.federation,
+                round_id=agg.round_id,
+                cluster_id=agg.cluster_id,
+                client_id=self.client_id,
+                packs=packs,
+            )
+            share = DecryptShare(
+                client_id=self.client_id,
+                round_id=agg.round_id,
+                cluster_id=agg.cluster_id,
+                packs=(packs,),
+                sealed=sealed,
+            )
+            await self._publish(T.SHARE, share)
+        rank_of = {int(p): r for r, p in enumerate(union)}
+        used: set[str] = set()
+        from_peers = 0
+        t_wait = time.perf_counter()
+        give_up = t_wait + share_wait(pending.task.config)
+        order = [r % len(cts) for r in range(b, b + len(cts))]  # where to start decrypting missing packs
+        while len(got) < len(cts):
+            for sender, peer in list(pending.book.shares.items()):
+                if sender in used:
+                    continue
+                used.add(sender)
+                if any(int(p) not in rank_of for p in peer.packs):
+                    self.rejected.add("bad_share")
+                    log.warning("round %d: share of %s names packs outside the union", agg.round_id, sender)
+                    continue
+                where = [rank_of[int(p)] for p in peer.packs]
+                try:  # the checks our own decryption would get (slot area, W·U)
+                    he.decode(peer.plains, hagg.total_weight)
+                except CryptoError as exc:
+                    self.rejected.add("bad_share")
+                    log.warning("round %d: share of %s does not decode: %s", agg.round_id, sender, exc)
+                    continue
+                for r, m in zip(where, peer.plains, strict=True):
+                    if r not in got:
+                        got[r] = m
+                        from_peers += 1
+            if len(got) == len(cts):
+                break
+            left = give_up - time.perf_counter()
+            if left > 0:
+                pending.book.arrived.clear()
+                if set(pending.book.shares) - used:
+                    continue
+                try:
+                    await asyncio.wait_for(pending.book.arrived.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await decrypt([next(r for r in order if r not in got)])  # one at a time, taking shares between
+        metrics = {
+            "decrypt_s": spent,
+            "decrypted_packs": float(len(cts) - from_peers),
+            "shared_packs": float(from_peers),
+            "share_wait_s": time.perf_counter() - t_wait,
+        }
+        return [got[r] for r in range(len(cts))], metrics
+
+    def _start_apply(self, agg: Aggregate | EncryptedAggregate) -> None:
+        task = asyncio.create_task(self._apply_guarded(agg), name=f"fedclient-apply-{self.client_id}")
+        self._applying.add(task)
+        task.add_done_callback(self._applying.discard)
+
+    async def _apply_guarded(self, agg: Aggregate | EncryptedAggregate) -> None:
+        try:
+            await self._on_aggregate(agg)
+        except TransportClosed:
+            pass  # the message loop sees the closed link too
+        except TransportError as exc:  # the link stayed down: the coordinator goes on without our report
+            self.summary.send_failures += 1
+            log.warning("could not send the report of round %d: %s", agg.round_id, exc)
+
     async def _on_aggregate(self, agg: Aggregate | EncryptedAggregate) -> None:
         pending = self._pending.get(agg.round_id)
         if (
             pending is None
+            or pending.applying
             or agg.round_id in self.summary.applied_rounds
             or agg.cluster_id != pending.task.cluster_id
         ):
             self.rejected.add("stale_round")
             return
+        pending.applying = True
         loop = asyncio.get_running_loop()
         try:
-            metrics = await loop.run_in_executor(None, self._apply, agg, pending)
+            sums, dec = (
+                await self._decrypt(agg, pending) if isinstance(agg, EncryptedAggregate) else (None, {})
+            )
+            metrics = await loop.run_in_executor(None, self._apply, agg, pending, sums)
         except (ValidationError, CryptoError, ValueError) as exc:
+            pending.applying = False
             self.rejected.add(
                 getattr(exc, "code", "crypto" if isinstance(exc, CryptoError) else "bad_aggregate")
             )
             log.warning("rejected aggregate of round %d: %s", agg.round_id, exc)
             return
+        metrics.update(dec)
+        metrics.setdefault("decrypt_s", 0.0)
         self.summary.applied_rounds.append(agg.round_id)
         self._model_round = agg.round_id
         self._pending = {r: p for r, p in self._pending.items() if r > agg.round_id}

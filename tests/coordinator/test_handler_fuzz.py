@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import struct
 import time
 import zlib
@@ -41,6 +42,7 @@ from fedsdk.protocol import (
     Aggregate,
     BaseMessage,
     Bye,
+    DecryptShare,
     EncryptedUpdate,
     Error,
     Hello,
@@ -200,6 +202,8 @@ def catalogue(live: Live, device: HEBackend | None) -> list[tuple[str, str, byte
             (T.BYE, cid, Bye(cid, "leaving")),
             (T.ERROR, cid, Error(cid, 1, "device", "out of memory")),
             (T.REPORT, cid, Report(cid, 1, 0, {"test_accuracy": 0.5, "upload_s": 0.1})),
+            (T.SHARE, cid, DecryptShare(cid, 1, 0, (np.array([0, 2], np.int32),), bytes(64))),
+            (T.SHARE, cid, DecryptShare(cid, 1, 0, (np.array([2**30], np.int32),), bytes(64))),
             (T.SKETCH, cid, Sketch(cid, 0, (np.linspace(0, 1, SKETCH_DIM, dtype=np.float32),), 0)),
             (T.SKETCH, cid, Sketch(cid, 0, (np.zeros(SKETCH_DIM + 1, np.float64),), 0)),
             (T.UPDATE, cid, plain_update(cid, live)),
@@ -525,5 +529,64 @@ def test_reports_measure_each_devices_decryption_of_the_union(tmp_path: Path, de
         for cid, seconds in zip(DEVICES, (0.5, 1.0, 2.0), strict=True):
             measured = live.engine.measured[cid].decrypt_values_per_s
             assert measured == pytest.approx(packs * device_he.pack_size / seconds)
+    finally:
+        live.close()
+
+
+def test_decryption_shares_are_split_and_relayed_unopened(tmp_path: Path, device_he: HEBackend) -> None:
+    """fedsdk, key mode shared: every task carries the device's fraction of the union (together a partition
+    of [0, 1)); after the aggregate, a participant's sealed share goes out on the cluster topic byte for byte,
+    once; shares from others, out of the round or naming packs past the model are refused; a report's
+    ``decrypted_packs`` is what its decryption speed is measured on."""
+    public = load_backend("packed", device_he.params, device_he.public_bytes())
+    live = Live(tmp_path / "s.sqlite", strategy="fedsdk", he=public, deadline_s=60)
+    try:
+        tasks = [decode(p) for t, p in live.published if "/down/" in t]
+        bounds = sorted((t.config["share_lo"], t.config["share_hi"]) for t in tasks if isinstance(t, Task))
+        assert len(bounds) == len(DEVICES) and bounds[0][0] == 0.0 and bounds[-1][1] == 1.0
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+        n = live.engine.n_values
+        packs = device_he.num_packs(n)
+        share = DecryptShare("d1", 1, 0, (np.array([0, 1], np.int32),), bytes(64))
+        live.engine.handle(T.up(FED, "d1", T.SHARE), encode(share))  # before the aggregate: refused
+        assert live.engine.rejected.as_dict() == {"stale_round": 1}
+        for cid in DEVICES:
+            live.engine.handle(T.up(FED, cid, T.UPDATE), encode(encrypted_update(cid, device_he, n)))
+
+        async def until_aggregate() -> None:
+            deadline = time.monotonic() + 60
+            while not any("/cluster/" in t for t, _ in live.published):
+                if time.monotonic() > deadline or live.task.done():
+                    raise AssertionError(f"no aggregate was published: {live.engine.state}")
+                await asyncio.sleep(0.005)
+
+        live.loop.run_until_complete(until_aggregate())
+        before = len(live.published)
+        live.engine.handle(T.up(FED, "d1", T.SHARE), encode(share))
+        live.engine.handle(T.up(FED, "d1", T.SHARE), encode(share))  # a second one
+        live.engine.handle(
+            T.up(FED, "outsider", T.SHARE), encode(dataclasses.replace(share, client_id="outsider"))
+        )
+        past = dataclasses.replace(share, client_id="d2", packs=(np.array([packs], np.int32),))
+        live.engine.handle(T.up(FED, "d2", T.SHARE), encode(past))
+        assert live.engine.rejected.as_dict() == {"stale_round": 2, "duplicate": 1, "bad_field": 1}
+
+        async def until_relayed() -> None:
+            deadline = time.monotonic() + 10
+            while len(live.published) == before:
+                if time.monotonic() > deadline:
+                    raise AssertionError("the share was not relayed")
+                await asyncio.sleep(0.005)
+
+        live.loop.run_until_complete(until_relayed())
+        assert live.published[before:] == [(T.cluster(FED, 0), encode(share))]
+        union = int(np.asarray(decode(live.published[before - 1][1]).pack_mask).sum())  # type: ignore[attr-defined]
+        for cid, (mine, seconds) in zip(DEVICES, ((1, 0.5), (2, 1.0), (union, 2.0)), strict=True):
+            metrics = {"decrypt_s": seconds, "upload_s": 0.01, "decrypted_packs": float(mine)}
+            live.engine.handle(T.up(FED, cid, T.REPORT), encode(Report(cid, 1, 0, metrics)))
+        live.finish()
+        for cid, (mine, seconds) in zip(DEVICES, ((1, 0.5), (2, 1.0), (union, 2.0)), strict=True):
+            measured = live.engine.measured[cid].decrypt_values_per_s
+            assert measured == pytest.approx(mine * device_he.pack_size / seconds)
     finally:
         live.close()

@@ -108,6 +108,16 @@ def test_every_strategy_completes_its_rounds(runs: dict[str, dict[str, Any]], na
         assert all(0.0 < r["consensus_ratio"] <= r["union_ratio"] for r in train), (name, train)
     else:
         assert all(r["consensus_ratio"] is None for r in train), name
+    # fedsdk with shared keys splits each aggregate's decryption (coop.py): every device ends with the whole
+    # union, part of it from the others' shares; a device may decrypt a late share's packs itself
+    for r in train:
+        got = [(c["decrypted_packs"], c["shared_packs"]) for c in r["clients"].values()]
+        if name == "fedsdk":
+            union = {d + (sh or 0) for d, sh in got}
+            assert len(union) == 1, (r, got)
+            assert sum(sh or 0 for _, sh in got) > 0 and sum(d for d, _ in got) >= union.pop(), (r, got)
+        elif name != "plaintext" and name != "fedsdk-keyserver":
+            assert all(sh is None for _, sh in got) and len({d for d, _ in got}) == 1, (name, r, got)
     # the per-device table of the demo: budgets and the time breakdown are there
     assert "per device" in s["stdout"] and "encrypt" in s["stdout"]
 

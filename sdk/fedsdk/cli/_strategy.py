@@ -37,6 +37,20 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         default="auto",
         help="ask each cluster's devices to prefer the packs voted on last round (auto: fedsdk only)",
     )
+    g.add_argument(
+        "--coop-decrypt",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="split each aggregate's decryption among the cluster's devices, key mode shared "
+        "(auto: fedsdk only; docs/strategies.md)",
+    )
+    g.add_argument(
+        "--share-wait",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds a device waits for the other devices' decryption shares before decrypting the rest",
+    )
 
 
 def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,4 +65,6 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mask_eta_mi": args.mask_eta_mi,
         "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
         "mask_floor": args.mask_floor,
+        "coop_decrypt": None if args.coop_decrypt == "auto" else args.coop_decrypt == "on",
+        "share_wait_s": args.share_wait,
     }

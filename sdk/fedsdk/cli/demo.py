@@ -257,6 +257,7 @@ def _print_progress(store: Any, printed: set[tuple[int, int]], total: int) -> No
 
 
 TIMINGS = ("train_s", "sensitivity_s", "mask_s", "encrypt_s", "upload_s", "decrypt_s")
+COOP = ("decrypted_packs", "shared_packs")  # cooperative decryption: packs decrypted here, from the others
 
 
 def _summary(
@@ -270,7 +271,16 @@ def _summary(
         for x in results:
             m = x["metrics"]
             m["encrypt_s"] = m.get("encode_s", 0.0) + m.get("encrypt_s", 0.0)
-            row = {k: m.get(k) for k in (*TIMINGS, "loss", "reply_s", "encrypted_ratio", "test_accuracy")}
+            keys = (
+                *TIMINGS,
+                "loss",
+                "reply_s",
+                "encrypted_ratio",
+                "test_accuracy",
+                "decrypted_packs",
+                "shared_packs",
+            )
+            row = {k: m.get(k) for k in keys}
             row.update(
                 status=x["status"],
                 num_samples=x["num_samples"],

@@ -283,8 +283,8 @@ class HEBackend(abc.ABC):
         contribution = Contribution(self.name, self.key_id, enc.n_values, enc.weight, sel, cts, pts)
         return contribution, report
 
-    def decrypt_aggregate(self, agg: Aggregate) -> np.ndarray:
-        """Decrypt the encrypted packs, decode with the public total weight, merge the clear packs."""
+    def check_aggregate(self, agg: Aggregate) -> np.ndarray:
+        """The aggregate's union mask, after checking that it is ours and self-consistent."""
         if agg.backend != self.name:
             raise CryptoError(f"aggregate was made by backend {agg.backend!r}, this is {self.name!r}")
         self._check_key(agg.key_id, "aggregate")
@@ -294,10 +294,25 @@ class HEBackend(abc.ABC):
             raise CiphertextError("aggregate's mask, ciphertexts and size disagree")
         if agg.clear.size != (n_packs - int(mask.sum())) * self.pack_size:
             raise CiphertextError("aggregate's clear part has the wrong size")
-        out = np.empty((n_packs, self.pack_size), dtype=np.float64)
+        return mask
+
+    def decrypt_aggregate(self, agg: Aggregate) -> np.ndarray:
+        """Decrypt the encrypted packs, decode with the public total weight, merge the clear packs."""
+        self.check_aggregate(agg)
+        sums: list[Any] = []
         if agg.ciphertexts:
             self._require_secret()
             sums = self.raw_decrypt_many([self.raw_ciphertext_from_bytes(b) for b in agg.ciphertexts])
+        return self.merge_aggregate(agg, sums)
+
+    def merge_aggregate(self, agg: Aggregate, sums: Sequence[Any]) -> np.ndarray:
+        """The averaged update from the raw decryptions ``sums`` of the aggregate's ciphertexts (in order,
+        decrypted here or by other devices, ``fedsdk.crypto.shares``) and its clear packs."""
+        mask = self.check_aggregate(agg)
+        if len(sums) != len(agg.ciphertexts):
+            raise CiphertextError(f"{len(sums)} decryptions for {len(agg.ciphertexts)} ciphertexts")
+        out = np.empty((mask.size, self.pack_size), dtype=np.float64)
+        if len(sums):
             out[mask] = self.decode(sums, agg.total_weight)
         out[~mask] = agg.clear.reshape(-1, self.pack_size)
         return out.ravel()[: agg.n_values]

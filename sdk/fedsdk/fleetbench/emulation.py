@@ -52,7 +52,7 @@ from fedsdk.crypto import HEBackend
 from fedsdk.crypto.obfuscator import Obfuscator, ObfuscatorFactory
 from fedsdk.errors import ConfigError
 from fedsdk.fleetbench.scenarios import DeviceProfile
-from fedsdk.protocol import BaseMessage, EncryptedAggregate, Hello
+from fedsdk.protocol import BaseMessage, Hello
 from fedsdk.protocol import topics as T
 
 __all__ = ["DilatedFactory", "Dilation", "EmulatedClient", "StepTiming", "cpu_he_throughput"]
@@ -268,16 +268,18 @@ class EmulatedClient(FedClient):
         record.update(emu_other_s=parts["emu_other_s"], emu_overrun_s=step.overrun_s)
         return msg, record
 
-    def _apply(self, agg: Any, pending: Any) -> dict[str, float]:
+    def _decrypt_packs(self, agg: Any, cts: list[bytes]) -> list[Any]:
+        with self.dilation.step("decrypt") as step:
+            out = super()._decrypt_packs(agg, cts)
+        self._decrypt_s[agg.round_id] = self._decrypt_s.get(agg.round_id, 0.0) + step.emulated_s
+        return out
+
+    def _apply(self, agg: Any, pending: Any, sums: list[Any] | None = None) -> dict[str, float]:
         with self.dilation.step("apply") as step:
-            out = super()._apply(agg, pending)
-        ratio = min(step.cpu_s / max(step.wall_s, 1e-12), 1.0)
+            out = super()._apply(agg, pending, sums)
         out = dict(out)
-        out["decrypt_s"] = self.dilation.k * float(out.get("decrypt_s", 0.0)) * ratio
         out["apply_s"] = self.dilation.k * step.cpu_s
         out["emu_overrun_s"] = step.overrun_s
-        if isinstance(agg, EncryptedAggregate):  # a plaintext aggregate's "decrypt_s" is only its copy
-            self._decrypt_s[agg.round_id] = out["decrypt_s"]
         return out
 
     def _sketch(self, task: Any, base: list[np.ndarray]) -> Any:

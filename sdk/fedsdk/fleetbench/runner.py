@@ -67,11 +67,13 @@ class Arm:
     uniform_budget: float | None = None  # maskcrypt's α (None: RoundConfig's default)
     target_round_s: float | None = None  # deadline budgets aim at this (None: the deadline)
     consensus: bool | None = None  # the consensus mask (None: the strategy's default)
+    coop: bool | None = None  # cooperative decryption (None: the strategy's default)
 
 
 def parse_arm(spec: str) -> Arm:
-    """``strategy[+cluster|-cluster][+keyserver][+noconsensus]``, e.g. ``plaintext+cluster`` or
-    ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus mask."""
+    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop]``, e.g. ``plaintext+cluster`` or
+    ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus mask, ``+nocoop`` without
+    cooperative decryption (every device decrypts the whole aggregate)."""
     from fedsdk_coordinator.strategies import strategy
 
     parts = spec.strip().split("+")
@@ -82,6 +84,7 @@ def parse_arm(spec: str) -> Arm:
     strategy(name)  # ConfigError for an unknown name
     key_mode = "shared"
     consensus: bool | None = None
+    coop: bool | None = None
     for m in mods:
         if m == "cluster":
             clustering = True
@@ -89,11 +92,14 @@ def parse_arm(spec: str) -> Arm:
             key_mode = "keyserver"
         elif m == "noconsensus":
             consensus = False
+        elif m == "nocoop":
+            coop = False
         else:
             raise ConfigError(
-                f"unknown arm option {m!r} in {spec!r}: use +cluster, -cluster, +keyserver, +noconsensus"
+                f"unknown arm option {m!r} in {spec!r}: "
+                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop"
             )
-    return Arm(spec.strip(), name, clustering, key_mode, consensus=consensus)
+    return Arm(spec.strip(), name, clustering, key_mode, consensus=consensus, coop=coop)
 
 
 def prepare_data(sc: Scenario, work: Path, seed: int) -> dict[str, dict[str, str]]:
@@ -227,6 +233,7 @@ async def run_arm(
         report_timeout_s=cfg.report_timeout_s,
         mask_policy=cfg.mask_policy,
         mask_consensus=arm.consensus,
+        coop_decrypt=arm.coop,
         **extra,
     )
     t0 = time.monotonic()

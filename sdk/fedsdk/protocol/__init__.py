@@ -27,6 +27,7 @@ from fedsdk.protocol.messages import (
     register,
 )
 from fedsdk.protocol.selective import (
+    DecryptShare,
     EncryptedAggregate,
     EncryptedUpdate,
     Report,
@@ -53,6 +54,7 @@ __all__ = [
     "Aggregate",
     "BaseMessage",
     "Bye",
+    "DecryptShare",
     "EncryptedAggregate",
     "EncryptedUpdate",
     "Error",

@@ -6,6 +6,9 @@
   packs and the encoded plaintexts of the others (the coordinator adds both kinds, paper 000 eq. 10).
 * :class:`EncryptedAggregate` — a cluster's sum: ciphertexts for the union mask, clear averages for the
   packs nobody encrypted. Devices (key mode ``shared``) or the key server decrypt it.
+* :class:`DecryptShare` — a device's part of a decrypted aggregate, sealed under a key only the holders of
+  the HE secret key can derive (``fedsdk.crypto.shares``); the coordinator relays it to the cluster
+  unopened (cooperative decryption, docs/strategies.md).
 * :class:`Report` — what a device measured after applying an aggregate (federated evaluation: in the HE
   strategies only the devices can see the whole model).
 
@@ -36,7 +39,15 @@ from fedsdk.protocol.fields import (
 from fedsdk.protocol.messages import MAX_ROUND, MAX_SAMPLES, BaseMessage, register
 from fedsdk.protocol.topics import MessageKind
 
-__all__ = ["EncryptedAggregate", "EncryptedUpdate", "Report", "Sketch", "join_parts", "split_parts"]
+__all__ = [
+    "DecryptShare",
+    "EncryptedAggregate",
+    "EncryptedUpdate",
+    "Report",
+    "Sketch",
+    "join_parts",
+    "split_parts",
+]
 
 MAX_VALUES = 2**31 - 1
 MAX_WEIGHT = 2**40
@@ -259,6 +270,54 @@ class EncryptedAggregate(BaseMessage):
 
     def cipher_parts(self) -> tuple[bytes, ...]:
         return split_parts(self.ciphertexts, self.cipher_lengths[0])
+
+
+SEALED_OVERHEAD = 12 + 16  # AES-GCM nonce and tag (fedsdk.crypto.shares)
+
+
+@register
+@dataclass(frozen=True, eq=False, repr=False)
+class DecryptShare(BaseMessage):
+    """The raw decryptions of some of round ``round_id``'s aggregate packs, by one device of the cluster.
+
+    ``packs`` is one int32 array: the pack indices, strictly increasing. ``sealed`` is the AES-GCM nonce,
+    ciphertext and tag of their plaintexts (``fedsdk.crypto.shares``); only its size is checked here.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.DECRYPT_SHARE
+    WIRE: ClassVar[Mapping[str, Wire]] = {
+        "client_id": Wire.STR,
+        "round_id": Wire.INT,
+        "cluster_id": Wire.INT,
+        "packs": Wire.ARRAYS,
+        "sealed": Wire.BYTES,
+    }
+
+    client_id: str
+    round_id: int
+    cluster_id: int
+    packs: tuple[np.ndarray, ...]
+    sealed: bytes
+
+    def __post_init__(self) -> None:
+        check_id(self.client_id, "client_id")
+        self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
+        self._set("cluster_id", check_int(self.cluster_id, "cluster_id", 0, MAX_ROUND))
+        packs = _one(self.packs, "packs", "int32")
+        idx = packs[0]
+        if idx.size == 0 or int(idx.min()) < 0 or (idx.size > 1 and not bool(np.all(np.diff(idx) > 0))):
+            raise ValidationError(
+                "bad_field", "packs must be non-empty, non-negative and strictly increasing"
+            )
+        self._set("packs", packs)
+        sealed = check_bytes(self.sealed, "sealed")
+        if len(sealed) < SEALED_OVERHEAD + idx.size:
+            raise ValidationError("bad_shape", f"sealed share of {len(sealed)} bytes for {idx.size} packs")
+        self._set("sealed", sealed)
+
+    @property
+    def pack_indices(self) -> np.ndarray:
+        return self.packs[0]
 
 
 @register

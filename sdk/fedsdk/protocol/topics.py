@@ -4,7 +4,8 @@ The topic tree (DESIGN.md, "Transport")::
 
     fl/<federation>/up/<client_id>/<kind>     a device publishes (kind: hello, update, error, bye)
     fl/<federation>/down/<client_id>          the coordinator to one device
-    fl/<federation>/cluster/<cluster_id>      the coordinator to every device of a cluster
+    fl/<federation>/cluster/<cluster_id>      the coordinator to every device of a cluster (and the relayed
+                                              decryption shares of its devices, never retained)
     fl/<federation>/coordinator/status        retained coordinator status (also its last will)
 
 Identifiers that become topic levels (federation, client id) must match ``[A-Za-z0-9_.-]{1,64}``. That keeps
@@ -31,6 +32,7 @@ __all__ = [
     "ID_PATTERN",
     "PROBE",
     "REPORT",
+    "SHARE",
     "SKETCH",
     "UPDATE",
     "UP_KINDS",
@@ -63,6 +65,7 @@ class MessageKind(enum.IntEnum):
     ENCRYPTED_AGGREGATE = 9
     SKETCH = 10
     REPORT = 11
+    DECRYPT_SHARE = 12
 
 
 # The last level of an upstream topic: what a device publishes.
@@ -72,8 +75,9 @@ ERROR = "error"
 BYE = "bye"
 SKETCH = "sketch"
 REPORT = "report"
+SHARE = "share"  # a device's sealed part of a decrypted aggregate, relayed to its cluster (crypto/shares.py)
 PROBE = "probe"  # raw bytes a device times to measure its uplink; no envelope, never decoded
-UP_KINDS: frozenset[str] = frozenset({HELLO, UPDATE, ERROR, BYE, SKETCH, REPORT, PROBE})
+UP_KINDS: frozenset[str] = frozenset({HELLO, UPDATE, ERROR, BYE, SKETCH, REPORT, SHARE, PROBE})
 
 #: Which upstream topic kind carries which message kind (a device publishes nothing else).
 UP_KIND_OF: dict[MessageKind, str] = {
@@ -84,6 +88,7 @@ UP_KIND_OF: dict[MessageKind, str] = {
     MessageKind.ENCRYPTED_UPDATE: UPDATE,
     MessageKind.SKETCH: SKETCH,
     MessageKind.REPORT: REPORT,
+    MessageKind.DECRYPT_SHARE: SHARE,
 }
 
 ID_PATTERN = r"[A-Za-z0-9_.-]{1,64}"

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fedsdk.errors import ValidationError
 from fedsdk.protocol import (
+    DecryptShare,
     EncryptedAggregate,
     EncryptedUpdate,
     Report,
@@ -82,3 +83,32 @@ def test_aggregate_sketch_report_round_trip() -> None:
     assert e.value.code == "non_finite"
     rep = Report(client_id="d", round_id=4, cluster_id=2, metrics={"test_accuracy": 0.9})
     assert decode(encode(rep)) == rep
+
+
+@given(
+    packs=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=64, unique=True),
+    extra=st.integers(0, 300),
+)
+def test_decrypt_share_round_trip(packs: list[int], extra: int) -> None:
+    idx = np.array(sorted(packs), dtype=np.int32)
+    share = DecryptShare("dev-1", 5, 2, (idx,), bytes(28 + len(packs) + extra))
+    back = decode(encode(share))
+    assert back == share and isinstance(back, DecryptShare)
+    assert back.pack_indices.tolist() == sorted(packs)
+
+
+def test_decrypt_share_refuses_bad_packs_and_short_seals() -> None:
+    ok = np.array([1, 4], np.int32)
+    for packs, code in (
+        (np.array([], np.int32), "bad_field"),
+        (np.array([-1, 2], np.int32), "bad_field"),
+        (np.array([3, 3], np.int32), "bad_field"),
+        (np.array([4, 1], np.int32), "bad_field"),
+        (np.array([1, 4], np.int64), "bad_dtype"),
+    ):
+        with pytest.raises(ValidationError) as e:
+            DecryptShare("d", 1, 0, (packs,), bytes(64))
+        assert e.value.code == code, packs
+    with pytest.raises(ValidationError) as e:
+        DecryptShare("d", 1, 0, (ok,), bytes(29))  # nonce + tag + one byte per pack at least
+    assert e.value.code == "bad_shape"

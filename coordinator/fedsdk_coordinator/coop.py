@@ -1,0 +1,51 @@
+"""Cooperative decryption, the coordinator's side: split each round's decryption among a cluster's devices
+and relay their sealed shares (key mode ``shared``, strategy ``fedsdk``; the device's side and the
+protocol are in ``fedsdk.coop`` and ``fedsdk.crypto.shares``).
+
+Why: with shared keys every device used to decrypt the whole union of its cluster's masks, so after the
+aggregate the slowest device spent ``U / d_slowest`` decrypting before it could report; in the system
+scenario of the fleet benchmark that was the whole gap to plaintext (docs/benchmarks.md). Split in
+proportion to the devices' decryption speeds, the cluster decrypts the union once, in about
+``U / Σ d_i``, and each device's share of it is what the deadline budgets count (budgets.py).
+
+Decisions:
+
+* The split is by *fraction of the union's ranks* and goes out with the task, before the union exists,
+  so it costs no extra message; :func:`fedsdk.coop.share_ranks` turns it into the same partition on
+  every device.
+* Weights: the measured decryption speed (``decrypt_values_per_s``, from the devices' reports), else the
+  measured encryption speed (both are modular exponentiations, so they scale alike across devices), else
+  equal shares. A device whose speed is unknown gets the median of the known ones.
+* The coordinator relays a share only from a participant of the round, once, on the cluster topic and not
+  retained (the retained message there is the aggregate). It cannot open a share (AES-GCM under a key
+  derived from the HE secret key) and does not try; its checks are on the envelope: round, cluster,
+  sender, pack indices within the model.
+* A cluster of one device gets no split: there is nothing to share.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+__all__ = ["share_split"]
+
+
+def share_split(speeds: Mapping[str, float | None]) -> dict[str, tuple[float, float]]:
+    """Contiguous fractions ``[lo, hi)`` of [0, 1) per device, in client-id order, each proportional to the
+    device's speed (unknown: the median of the known speeds; none known: equal). Empty for fewer than two
+    devices."""
+    if len(speeds) < 2:
+        return {}
+    known = [float(v) for v in speeds.values() if v is not None and v > 0]
+    fill = statistics.median(known) if known else 1.0
+    weights = {c: (float(v) if v is not None and v > 0 else fill) for c, v in speeds.items()}
+    total = sum(weights.values())
+    out: dict[str, tuple[float, float]] = {}
+    acc = 0.0
+    ids = sorted(weights)
+    for i, cid in enumerate(ids):
+        hi = 1.0 if i == len(ids) - 1 else min(1.0, acc + weights[cid] / total)
+        out[cid] = (acc, hi)
+        acc = hi
+    return out

@@ -1,0 +1,121 @@
+"""Cooperative decryption: seal and open the parts of a decrypted aggregate that devices share.
+
+In key mode ``shared`` every device of a cluster holds the HE secret key, and every one of them used to
+decrypt every encrypted pack of the cluster's aggregate: the union of the masks, which with 20 devices is
+50-90 % of the model, so the slowest device's decryption set the round time (docs/benchmarks.md). With
+cooperative decryption the coordinator splits the union among the cluster's devices (in proportion to
+their measured decryption speed), each device decrypts its part and publishes the raw plaintexts, and
+everyone assembles the whole. A device that misses a part decrypts it itself (``fedsdk.client``).
+
+What is shared, and under what (decisions):
+
+* The **raw Paillier plaintexts** of the aggregate packs, ``m mod n``, exactly what the receiver's own
+  decryption would give; the receiver decodes them with the same checks as its own (slot area, W·U bound).
+* **Sealed** with AES-256-GCM from ``cryptography`` under a key derived with HKDF-SHA256 from the HE
+  *secret* key (salt: the key id, info: :data:`INFO`). Whoever can derive it can already decrypt the
+  aggregate, so the sealed share tells nobody anything they could not compute; the coordinator and the
+  broker, which relay it, cannot open it. No new key to distribute, rotate or store.
+* The **associated data** binds a share to its federation, round, cluster, sender and pack indices, so a
+  share cannot be replayed into another round or passed off as another device's or other packs.
+* **Integrity** is only as strong as the key: any holder of the secret key can seal a wrong share, as it
+  can already send a poisoned update. A share whose plaintexts fail decoding is dropped and those packs
+  are decrypted locally; a well-formed wrong one is not detected (checking m against c costs a decryption).
+* **Nonce**: 12 random bytes per share (``os.urandom``); a device seals one share per round.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from fedsdk.crypto.base import HEBackend
+from fedsdk.errors import CiphertextError, CryptoError
+
+__all__ = ["INFO", "NONCE_BYTES", "ShareSealer"]
+
+INFO = b"fedsdk decrypt-share v1"
+NONCE_BYTES = 12
+
+
+class ShareSealer:
+    """Seals and opens decryption shares under a key derived from ``backend``'s secret key.
+
+    Only the ``packed`` backend (the ``fedsdk`` strategy's), whose raw plaintexts are integers in [0, n),
+    written as fixed-width little-endian bytes; the per-value ``paillier`` baseline and CKKS decrypt to
+    other types and keep decrypting everything themselves. :class:`CryptoError` for those and for a
+    public-only backend.
+    """
+
+    def __init__(self, backend: HEBackend) -> None:
+        if not backend.can_decrypt:
+            raise CryptoError("decryption shares need the HE secret key (key mode 'shared')")
+        keys = getattr(backend, "keys", None)
+        if backend.name != "packed" or keys is None:
+            raise CryptoError(f"cooperative decryption needs the packed backend, not {backend.name!r}")
+        self.key_id: bytes = backend.key_id
+        self.n = int(keys.n)
+        self.width = (self.n.bit_length() + 7) // 8
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=self.key_id, info=INFO)
+        self._aead = AESGCM(hkdf.derive(backend.secret_bytes()))
+
+    def _aad(
+        self, federation: str, round_id: int, cluster_id: int, client_id: str, packs: np.ndarray
+    ) -> bytes:
+        head = "\x00".join((federation, client_id, self.key_id.hex())).encode()
+        return head + struct.pack("<qq", round_id, cluster_id) + np.asarray(packs, dtype="<i4").tobytes()
+
+    def seal(
+        self,
+        plains: Sequence[Any],
+        *,
+        federation: str,
+        round_id: int,
+        cluster_id: int,
+        client_id: str,
+        packs: np.ndarray,
+    ) -> bytes:
+        """nonce | AES-GCM(plaintexts) for the packs ``packs`` (one plaintext each, in that order)."""
+        if len(plains) != len(packs):
+            raise CryptoError(f"{len(plains)} plaintexts for {len(packs)} packs")
+        if any(not 0 <= int(m) < self.n for m in plains):
+            raise CryptoError("a plaintext is not in [0, n): not a Paillier decryption")
+        body = b"".join(int(m).to_bytes(self.width, "little") for m in plains)
+        nonce = os.urandom(NONCE_BYTES)
+        aad = self._aad(federation, round_id, cluster_id, client_id, packs)
+        return nonce + self._aead.encrypt(nonce, body, aad)
+
+    def open(
+        self,
+        sealed: bytes,
+        *,
+        federation: str,
+        round_id: int,
+        cluster_id: int,
+        client_id: str,
+        packs: np.ndarray,
+    ) -> list[int]:
+        """The plaintexts of a sealed share; :class:`CiphertextError` if it was not sealed under this key for
+        exactly this federation, round, cluster, sender and packs, or does not hold one plaintext per pack."""
+        if len(sealed) < NONCE_BYTES + 16:
+            raise CiphertextError("sealed share too short")
+        aad = self._aad(federation, round_id, cluster_id, client_id, packs)
+        try:
+            body = self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
+        except InvalidTag:
+            raise CiphertextError(
+                "share does not authenticate: another key, round, sender or packs"
+            ) from None
+        if len(body) != self.width * len(packs):
+            raise CiphertextError(f"share holds {len(body)} bytes for {len(packs)} packs")
+        out = [int.from_bytes(body[i : i + self.width], "little") for i in range(0, len(body), self.width)]
+        if any(m >= self.n for m in out):
+            raise CiphertextError("share holds a plaintext not below n")
+        return out
