@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk import pipeline
+from fedsdk.coop import share_ranks
 from fedsdk.crypto import HEBackend, aggregate_contributions
 from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
 from fedsdk.masking import floor_packs, parse_floors
@@ -61,6 +62,7 @@ from fedsdk.protocol import (
     Limits,
     RejectCounter,
     Report,
+    ShareBundle,
     Sketch,
     Status,
     Task,
@@ -156,7 +158,11 @@ class _RoundState:
     collecting: bool = True  # still taking replies (False once aggregation starts)
     union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
     shares: dict[str, tuple[float, float]] = field(default_factory=dict)  # cooperative decryption (coop.py)
-    shared: set[str] = field(default_factory=set)  # devices whose decryption share was relayed
+    shared: set[str] = field(default_factory=set)  # devices whose decryption share was taken
+    share_expect: set[str] = field(default_factory=set)  # devices with a non-empty part of the union
+    share_buffer: list[bytes] = field(default_factory=list)  # shares held for the bundle (coop.py)
+    share_flushed: bool = False  # the bundle went out: later shares are relayed one by one
+    share_timer: asyncio.TimerHandle | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reported: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -485,7 +491,21 @@ class RoundEngine:
             raise ValidationError("bad_field", f"share of {packs.size} packs up to {int(packs[-1])}")
         self._seen(client_id)
         rnd.shared.add(client_id)
-        self._post(T.cluster(self.config.federation, rnd.cluster_id), payload)
+        rnd.share_buffer.append(payload)
+        if rnd.share_flushed or rnd.share_expect <= rnd.shared:
+            self._flush_shares(rnd)
+
+    def _flush_shares(self, rnd: _RoundState) -> None:
+        """Send the shares held for ``rnd`` to its cluster in one bundle (coop.py): when every device with a
+        part has shared, or ``share_wait_s / 2`` after the aggregate, whichever comes first."""
+        rnd.share_flushed = True
+        if rnd.share_timer is not None:
+            rnd.share_timer.cancel()
+            rnd.share_timer = None
+        if rnd.share_buffer:
+            bundle = ShareBundle.of(rnd.round_id, rnd.cluster_id, rnd.share_buffer)
+            rnd.share_buffer = []
+            self._post(T.cluster(self.config.federation, rnd.cluster_id), encode(bundle))
 
     def _duplicate(self, rnd: _RoundState, client_id: str, payload: bytes) -> None:
         """A second reply in a round: the same bytes are a re-send (ignored), anything else is rejected."""
@@ -966,6 +986,12 @@ class RoundEngine:
         )
         envelope = encode(msg)
         self.store.save_encrypted(rnd.cluster_id, rnd.round_id, envelope)  # before it is published
+        if rnd.shares:  # who will share a part of this union, and when to stop waiting for them (coop.py)
+            for cid, (lo, hi) in rnd.shares.items():
+                ranks = share_ranks({"share_lo": lo, "share_hi": hi}, rnd.union_packs)
+                if ranks is not None and ranks[1] > ranks[0]:
+                    rnd.share_expect.add(cid)
+            rnd.share_timer = loop.call_later(self.config.share_wait_s / 2, self._flush_shares, rnd)
         await self._publish_aggregate(rnd.cluster_id, envelope, encrypted=True)
         return metrics, len(ordered), total
 

@@ -82,6 +82,7 @@ from fedsdk.protocol import (
     Error,
     Hello,
     Report,
+    ShareBundle,
     Sketch,
     Status,
     Task,
@@ -296,8 +297,8 @@ class FedClient:
                         await self._on_task(decoded)
                     elif isinstance(decoded, Aggregate | EncryptedAggregate):
                         self._start_apply(decoded)
-                    elif isinstance(decoded, DecryptShare) and msg.topic == self._cluster_topic:
-                        self._on_share(decoded)
+                    elif isinstance(decoded, ShareBundle) and msg.topic == self._cluster_topic:
+                        self._on_bundle(decoded)
                     else:
                         self.rejected.add("bad_kind")
                         log.warning("unexpected %s on %s", type(decoded).__name__, msg.topic)
@@ -604,6 +605,24 @@ class FedClient:
         ):
             self._sealer = ShareSealer(self._he)
         return self._sealer
+
+    def _on_bundle(self, bundle: ShareBundle) -> None:
+        """The coordinator's relay of devices' shares: each inner envelope is decoded and checked."""
+        for raw in bundle.envelopes():
+            try:
+                msg = decode(raw)
+            except ValidationError as exc:
+                self.rejected.add(exc.code)
+                log.warning("rejected share in a bundle: %s", exc.reason)
+                continue
+            if not isinstance(msg, DecryptShare) or (msg.round_id, msg.cluster_id) != (
+                bundle.round_id,
+                bundle.cluster_id,
+            ):
+                self.rejected.add("bad_share")
+                log.warning("a share bundle of round %d holds a %s", bundle.round_id, type(msg).__name__)
+                continue
+            self._on_share(msg)
 
     def _on_share(self, msg: DecryptShare) -> None:
         """A share relayed on our cluster topic: open it and keep it for its round (its packs are checked

@@ -48,6 +48,7 @@ from fedsdk.protocol import (
     Hello,
     Limits,
     Report,
+    ShareBundle,
     Sketch,
     Status,
     Task,
@@ -141,6 +142,18 @@ class Live:
             if time.monotonic() > deadline or self.task.done():
                 raise AssertionError(f"the engine sent no tasks: {self.engine.state}")
             await asyncio.sleep(0.005)
+
+    def until_aggregate(self, timeout: float = 60.0) -> None:
+        """Let the paused engine run until it has published an aggregate on a cluster topic (bounded)."""
+
+        async def wait() -> None:
+            deadline = time.monotonic() + timeout
+            while not any("/cluster/" in t for t, _ in self.published):
+                if time.monotonic() > deadline or self.task.done():
+                    raise AssertionError(f"no aggregate was published: {self.engine.state}")
+                await asyncio.sleep(0.005)
+
+        self.loop.run_until_complete(wait())
 
     def finish(self, timeout: float = 60.0) -> None:
         """Let the paused engine run until the federation ends (bounded)."""
@@ -505,15 +518,7 @@ def test_reports_measure_each_devices_decryption_of_the_union(tmp_path: Path, de
                 metrics={"train_s": 0.1},
             )
             live.engine.handle(T.up(FED, cid, T.UPDATE), encode(msg))
-
-        async def until_aggregate() -> None:
-            deadline = time.monotonic() + 60
-            while not any("/cluster/" in t for t, _ in live.published):
-                if time.monotonic() > deadline or live.task.done():
-                    raise AssertionError(f"no aggregate was published: {live.engine.state}")
-                await asyncio.sleep(0.005)
-
-        live.loop.run_until_complete(until_aggregate())
+        live.until_aggregate()
         for cid, seconds in zip(DEVICES, (0.5, 1.0, 2.0), strict=True):
             report = Report(cid, 1, 0, {"decrypt_s": seconds, "upload_s": 0.01})
             live.engine.handle(T.up(FED, cid, T.REPORT), encode(report))
@@ -535,8 +540,9 @@ def test_reports_measure_each_devices_decryption_of_the_union(tmp_path: Path, de
 
 def test_decryption_shares_are_split_and_relayed_unopened(tmp_path: Path, device_he: HEBackend) -> None:
     """fedsdk, key mode shared: every task carries the device's fraction of the union (together a partition
-    of [0, 1)); after the aggregate, a participant's sealed share goes out on the cluster topic byte for byte,
-    once; shares from others, out of the round or naming packs past the model are refused; a report's
+    of [0, 1)); after the aggregate, a participant's sealed share is held, once, and goes out byte for byte in
+    a bundle on the cluster topic share_wait_s / 2 after the aggregate (not every device shared), later ones
+    at once; shares from others, out of the round or naming packs past the model are refused; a report's
     ``decrypted_packs`` is what its decryption speed is measured on."""
     public = load_backend("packed", device_he.params, device_he.public_bytes())
     live = Live(tmp_path / "s.sqlite", strategy="fedsdk", he=public, deadline_s=60)
@@ -552,15 +558,7 @@ def test_decryption_shares_are_split_and_relayed_unopened(tmp_path: Path, device
         assert live.engine.rejected.as_dict() == {"stale_round": 1}
         for cid in DEVICES:
             live.engine.handle(T.up(FED, cid, T.UPDATE), encode(encrypted_update(cid, device_he, n)))
-
-        async def until_aggregate() -> None:
-            deadline = time.monotonic() + 60
-            while not any("/cluster/" in t for t, _ in live.published):
-                if time.monotonic() > deadline or live.task.done():
-                    raise AssertionError(f"no aggregate was published: {live.engine.state}")
-                await asyncio.sleep(0.005)
-
-        live.loop.run_until_complete(until_aggregate())
+        live.until_aggregate()
         before = len(live.published)
         live.engine.handle(T.up(FED, "d1", T.SHARE), encode(share))
         live.engine.handle(T.up(FED, "d1", T.SHARE), encode(share))  # a second one
@@ -571,15 +569,25 @@ def test_decryption_shares_are_split_and_relayed_unopened(tmp_path: Path, device
         live.engine.handle(T.up(FED, "d2", T.SHARE), encode(past))
         assert live.engine.rejected.as_dict() == {"stale_round": 2, "duplicate": 1, "bad_field": 1}
 
-        async def until_relayed() -> None:
-            deadline = time.monotonic() + 10
-            while len(live.published) == before:
+        async def until_relayed(count: int) -> float:
+            t0 = deadline = time.monotonic()
+            deadline += 10
+            while len(live.published) < before + count:
                 if time.monotonic() > deadline:
                     raise AssertionError("the share was not relayed")
                 await asyncio.sleep(0.005)
+            return time.monotonic() - t0
 
-        live.loop.run_until_complete(until_relayed())
-        assert live.published[before:] == [(T.cluster(FED, 0), encode(share))]
+        waited = live.loop.run_until_complete(until_relayed(1))
+        assert waited > 0.2  # held for the others until share_wait_s / 2 = 0.5 s after the aggregate
+        topic, payload = live.published[before]
+        bundle = decode(payload)
+        assert topic == T.cluster(FED, 0) and isinstance(bundle, ShareBundle)
+        assert (bundle.round_id, bundle.cluster_id, bundle.envelopes()) == (1, 0, (encode(share),))
+        late = dataclasses.replace(share, client_id="d0")
+        live.engine.handle(T.up(FED, "d0", T.SHARE), encode(late))
+        assert live.loop.run_until_complete(until_relayed(2)) < 0.2  # after the bundle: at once
+        assert decode(live.published[before + 1][1]).envelopes() == (encode(late),)  # type: ignore[attr-defined]
         union = int(np.asarray(decode(live.published[before - 1][1]).pack_mask).sum())  # type: ignore[attr-defined]
         for cid, (mine, seconds) in zip(DEVICES, ((1, 0.5), (2, 1.0), (union, 2.0)), strict=True):
             metrics = {"decrypt_s": seconds, "upload_s": 0.01, "decrypted_packs": float(mine)}

@@ -1,8 +1,8 @@
 """Cooperative decryption between real FedClients (fedsdk.coop): three devices with the same packed Paillier
 key train under a real mosquitto; the test plays the coordinator with its own transport and the public key
-only: it splits the union in thirds, aggregates, and relays the devices' shares, except that it never
-relays the third device's share (a device that left) and slips in a forged share under the second
-device's name. What is checked: every device ends with the same model, exactly the one the secret key
+only: it splits the union in thirds, aggregates, and relays the devices' shares (a bundle each), except
+that it never relays the third device's share (a device that left) and slips in a forged share under the
+second device's name. What is checked: every device ends with the same model, exactly the one the secret key
 decrypts from the aggregate; the first two decrypt the missing third themselves after the wait, the third
 uses both shares; the forged share is refused by every device it reached.
 """
@@ -22,7 +22,17 @@ from fedsdk.crypto import generate_backend, load_backend
 from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import contribution_from_message, message_from_he_aggregate, unflatten
-from fedsdk.protocol import DecryptShare, EncryptedUpdate, Hello, Report, Status, Task, decode, encode
+from fedsdk.protocol import (
+    DecryptShare,
+    EncryptedUpdate,
+    Hello,
+    Report,
+    ShareBundle,
+    Status,
+    Task,
+    decode,
+    encode,
+)
 from fedsdk.protocol import topics as T
 from fedsdk.transport import Message, MqttTransport
 
@@ -136,10 +146,10 @@ async def test_devices_assemble_the_aggregate_from_shares_and_cover_a_missing_on
                     shares[cid] = share
                     if cid == "d1" and not forged:  # a forgery under d1's name first, then d1's own
                         fake = dataclasses.replace(share, sealed=bytes(len(share.sealed)))
-                        await coord.publish(T.cluster(fed, 0), encode(fake))
+                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [encode(fake)])))
                         forged = True
                     if cid != "d2":  # d2's share is lost
-                        await coord.publish(T.cluster(fed, 0), m.payload)
+                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [m.payload])))
                 elif kind == T.REPORT:
                     report = decode(m.payload)
                     assert isinstance(report, Report)

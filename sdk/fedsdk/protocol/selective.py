@@ -9,6 +9,7 @@
 * :class:`DecryptShare` — a device's part of a decrypted aggregate, sealed under a key only the holders of
   the HE secret key can derive (``fedsdk.crypto.shares``); the coordinator relays it to the cluster
   unopened (cooperative decryption, docs/strategies.md).
+* :class:`ShareBundle` — the coordinator's relay of several devices' shares in one message (downstream).
 * :class:`Report` — what a device measured after applying an aggregate (federated evaluation: in the HE
   strategies only the devices can see the whole model).
 
@@ -44,6 +45,7 @@ __all__ = [
     "EncryptedAggregate",
     "EncryptedUpdate",
     "Report",
+    "ShareBundle",
     "Sketch",
     "join_parts",
     "split_parts",
@@ -318,6 +320,44 @@ class DecryptShare(BaseMessage):
     @property
     def pack_indices(self) -> np.ndarray:
         return self.packs[0]
+
+
+@register
+@dataclass(frozen=True, eq=False, repr=False)
+class ShareBundle(BaseMessage):
+    """Devices' :class:`DecryptShare` envelopes for round ``round_id``, relayed as received (byte for byte) in
+    one message to the cluster: ``shares`` is their concatenation, ``lengths`` one int64 array of their
+    sizes. Each envelope is decoded and checked by the receiver like any message."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.SHARE_BUNDLE
+    WIRE: ClassVar[Mapping[str, Wire]] = {
+        "round_id": Wire.INT,
+        "cluster_id": Wire.INT,
+        "lengths": Wire.ARRAYS,
+        "shares": Wire.BYTES,
+    }
+
+    round_id: int
+    cluster_id: int
+    lengths: tuple[np.ndarray, ...]
+    shares: bytes
+
+    def __post_init__(self) -> None:
+        self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
+        self._set("cluster_id", check_int(self.cluster_id, "cluster_id", 0, MAX_ROUND))
+        self._set("shares", check_bytes(self.shares, "shares"))
+        count = _one(self.lengths, "lengths", "int64")[0].size
+        if count == 0:
+            raise ValidationError("bad_field", "a share bundle holds at least one share")
+        self._set("lengths", _lengths(self.lengths, "lengths", self.shares, count))
+
+    @classmethod
+    def of(cls, round_id: int, cluster_id: int, envelopes: Sequence[bytes]) -> ShareBundle:
+        blob, lengths = join_parts(envelopes)
+        return cls(round_id=round_id, cluster_id=cluster_id, lengths=(lengths,), shares=blob)
+
+    def envelopes(self) -> tuple[bytes, ...]:
+        return split_parts(self.shares, self.lengths[0])
 
 
 @register

@@ -66,6 +66,7 @@ class MessageKind(enum.IntEnum):
     SKETCH = 10
     REPORT = 11
     DECRYPT_SHARE = 12
+    SHARE_BUNDLE = 13
 
 
 # The last level of an upstream topic: what a device publishes.

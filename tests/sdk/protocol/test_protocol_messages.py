@@ -225,7 +225,7 @@ def test_registry() -> None:
     assert message_class(MessageKind.BYE) is Bye
     for kind in (0, 200, -1, None):
         rejects("bad_kind", message_class, kind)
-    from fedsdk.protocol import DecryptShare, EncryptedAggregate, EncryptedUpdate, Report, Sketch
+    from fedsdk.protocol import DecryptShare, EncryptedAggregate, EncryptedUpdate, Report, ShareBundle, Sketch
 
     classes = (
         Hello,
@@ -240,6 +240,7 @@ def test_registry() -> None:
         Sketch,
         Report,
         DecryptShare,
+        ShareBundle,
     )
     kinds = {int(cls.KIND) for cls in classes}
     assert kinds == {int(k) for k in MessageKind}

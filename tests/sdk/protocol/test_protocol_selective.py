@@ -15,6 +15,7 @@ from fedsdk.protocol import (
     EncryptedAggregate,
     EncryptedUpdate,
     Report,
+    ShareBundle,
     Sketch,
     decode,
     encode,
@@ -111,4 +112,21 @@ def test_decrypt_share_refuses_bad_packs_and_short_seals() -> None:
         assert e.value.code == code, packs
     with pytest.raises(ValidationError) as e:
         DecryptShare("d", 1, 0, (ok,), bytes(29))  # nonce + tag + one byte per pack at least
+    assert e.value.code == "bad_shape"
+
+
+@given(parts=st.lists(st.binary(min_size=0, max_size=80), min_size=1, max_size=20))
+def test_share_bundle_round_trip(parts: list[bytes]) -> None:
+    bundle = ShareBundle.of(3, 1, parts)
+    back = decode(encode(bundle))
+    assert back == bundle and isinstance(back, ShareBundle)
+    assert back.envelopes() == tuple(parts)
+
+
+def test_share_bundle_refuses_an_empty_bundle_and_bad_lengths() -> None:
+    with pytest.raises(ValidationError) as e:
+        ShareBundle.of(3, 1, [])
+    assert e.value.code == "bad_field"
+    with pytest.raises(ValidationError) as e:
+        ShareBundle(3, 1, (np.array([2, 2], np.int64),), b"abc")
     assert e.value.code == "bad_shape"
