@@ -293,3 +293,24 @@ def test_with_union_decryption_every_feasible_device_finishes_in_time(
     without = deadline_plan(devices, **kw)
     for cid, b in plan.items():  # counting decryption never raises a budget
         assert b.alpha <= without[cid].alpha + 1e-12
+
+
+def test_cooperative_decryption_counts_only_each_devices_part_by_hand() -> None:
+    # The example above with cooperative decryption: slow decrypts 1/21 of the union, fast 20/21 (in
+    # proportion to their speeds, 1e3 and 2e4 values/s), so each spends U / 21e3 s decrypting. With 2K > n
+    # the union is capped at n = 1000 values, and slow's slack 0.16 s gives
+    # K (1/1e4 + 6/1e5) = 0.16 - 1000/21e3 -> K = 702 values.
+    fast = DeviceCapacity("fast", 1e5, 1e4, train_s=0.1, decrypt_values_per_s=2e4)
+    slow = DeviceCapacity("slow", 1e5, 1e4, train_s=0.8, decrypt_values_per_s=1e3)
+    kw: dict[str, Any] = dict(
+        n_values=1000, deadline_s=1.0, cipher_bytes_per_value=10, plain_bytes_per_value=4, union_factor=2.0
+    )
+    shares = {"fast": 20 / 21, "slow": 1 / 21}
+    plan = deadline_plan([fast, slow], decrypt_shares=shares, **kw)
+    k = (0.16 - 1000 / 21e3) / (1e-4 + 6e-5)
+    assert plan["slow"].alpha == pytest.approx(k / 1000)
+    assert plan["slow"].decrypt_s == pytest.approx(1000 / 21e3) and plan["fast"].decrypt_s == pytest.approx(
+        1000 / 21e3
+    )
+    alone = deadline_plan([fast, slow], **kw)
+    assert plan["slow"].alpha > 2 * alone["slow"].alpha  # 0.70 against 0.074: the union is decrypted once

@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arms",
         default=DEFAULT_ARMS,
-        help="comma list of strategy[+cluster|-cluster][+keyserver] (default: %(default)s)",
+        help="comma list of strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop] "
+        "(default: %(default)s)",
     )
     p.add_argument("--devices", type=int, default=None, help="override the scenario's fleet size")
     p.add_argument("--rounds", type=int, default=3)

@@ -1,0 +1,96 @@
+"""Who gets cooperative decryption (coordinator/fedsdk_coordinator/coop.py): the engine's switches and the
+benchmark arm; the split and the partition are in tests/sdk/crypto/test_crypto_shares.py, the relay in
+tests/coordinator/test_handler_fuzz.py, devices in tests/sdk/test_client_coop.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedsdk.crypto import HEBackend, generate_backend, load_backend
+from fedsdk.errors import ConfigError
+from fedsdk.model import build_graphs, init_params, mlp
+from fedsdk.protocol import Task, decode
+from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
+from fedsdk_coordinator.store import Store
+
+SPEC = mlp(hidden=(8,))
+
+
+@pytest.fixture(scope="module")
+def public() -> dict[str, HEBackend]:
+    out = {}
+    for name in ("packed", "paillier"):
+        full = generate_backend(name, key_bits=1024)
+        out[name] = load_backend(name, full.params, full.public_bytes())
+    return out
+
+
+def engine(tmp_path: Path, he: HEBackend | None, **config: object) -> RoundEngine:
+    async def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
+        pass
+
+    return RoundEngine(
+        RoundConfig(**config),  # type: ignore[arg-type]
+        store=Store(tmp_path / "s.sqlite"),
+        bundle=build_graphs(SPEC),
+        initial_weights=init_params(SPEC, seed=0),
+        eval_data=None,
+        publish=publish,
+        he=he,
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy, backend, extra, coop",
+    [
+        ("fedsdk", "packed", {}, True),  # the default
+        ("fedsdk", "packed", {"coop_decrypt": False}, False),
+        ("fedsdk", "packed", {"key_mode": "keyserver"}, False),  # the key server decrypts
+        ("sensecrypt", "paillier", {}, False),  # the papers' baselines keep their protocol
+        ("plaintext", None, {}, False),
+    ],
+)
+def test_which_federations_split_the_decryption(
+    tmp_path: Path, public: dict[str, HEBackend], strategy: str, backend: str | None, extra: dict, coop: bool
+) -> None:
+    e = engine(tmp_path, public[backend] if backend else None, strategy=strategy, **extra)
+    assert e.coop is coop
+    assert bool(e._shares(["d0", "d1", "d2"])) is coop
+    assert e._shares(["solo"]) == {}  # nobody to share with
+
+
+def test_asking_for_it_where_it_cannot_work_is_an_error(tmp_path: Path, public: dict[str, HEBackend]) -> None:
+    with pytest.raises(ConfigError, match="packed backend"):
+        engine(tmp_path, public["paillier"], strategy="sensecrypt", coop_decrypt=True)
+    with pytest.raises(ConfigError, match="packed backend"):
+        engine(tmp_path, None, strategy="plaintext", coop_decrypt=True)
+    with pytest.raises(ConfigError, match="share_wait_s"):
+        engine(tmp_path, public["packed"], strategy="fedsdk", share_wait_s=-1.0)
+
+
+def test_a_task_carries_the_devices_part_only_in_its_round(
+    tmp_path: Path, public: dict[str, HEBackend]
+) -> None:
+    import asyncio
+
+    e = engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, share_wait_s=2.5)
+    e.online = dict.fromkeys(("d0", "d1"))  # type: ignore[arg-type]
+    (rnd,) = asyncio.run(e._plan(1))
+    assert rnd.shares == {"d0": (0.0, 0.5), "d1": (0.5, 1.0)}  # no speed measured yet: equal parts
+    task = decode(e._task(1, 0, "d1", phase="train", budget=0.1))
+    assert isinstance(task, Task)
+    assert (task.config["share_lo"], task.config["share_hi"], task.config["share_wait_s"]) == (0.5, 1.0, 2.5)
+    other = decode(e._task(2, 0, "d1", phase="train", budget=0.1))  # not the planned round
+    assert isinstance(other, Task) and "share_lo" not in other.config
+
+
+def test_benchmark_arm_turns_it_off() -> None:
+    from fedsdk.fleetbench import parse_arm
+
+    assert parse_arm("fedsdk").coop is None
+    arm = parse_arm("fedsdk+noconsensus+nocoop")
+    assert (arm.consensus, arm.coop) == (False, False)
+    with pytest.raises(ConfigError, match=r"\+nocoop"):
+        parse_arm("fedsdk+coop")
