@@ -695,7 +695,12 @@ class FedClient:
                 packs=(packs,),
                 sealed=sealed,
             )
-            await self._publish(T.SHARE, share)
+            try:
+                await self._publish(T.SHARE, share)
+            except TransportClosed:
+                raise
+            except TransportError as exc:  # the others decrypt our part themselves after their wait
+                log.warning("round %d: could not send our decryption share: %s", agg.round_id, exc)
         rank_of = {int(p): r for r, p in enumerate(union)}
         used: set[str] = set()
         from_peers = 0
