@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk import pipeline
-from fedsdk.coop import share_ranks
+from fedsdk.coop import part_ranks
 from fedsdk.crypto import HEBackend, aggregate_contributions
 from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
 from fedsdk.masking import floor_packs, parse_floors
@@ -988,8 +988,8 @@ class RoundEngine:
         self.store.save_encrypted(rnd.cluster_id, rnd.round_id, envelope)  # before it is published
         if rnd.shares:  # who will share a part of this union, and when to stop waiting for them (coop.py)
             for cid, (lo, hi) in rnd.shares.items():
-                ranks = share_ranks({"share_lo": lo, "share_hi": hi}, rnd.union_packs)
-                if ranks is not None and ranks[1] > ranks[0]:
+                a, b = part_ranks(lo, hi, rnd.union_packs)
+                if b > a:
                     rnd.share_expect.add(cid)
             rnd.share_timer = loop.call_later(self.config.share_wait_s / 2, self._flush_shares, rnd)
         await self._publish_aggregate(rnd.cluster_id, envelope, encrypted=True)

@@ -648,6 +648,62 @@ class FedClient:
             return
         pending.book.add(PeerShare(msg.client_id, np.array(msg.pack_indices, dtype=np.int64), plains))
 
+    async def _send_share(
+        self, agg: EncryptedAggregate, sealer: ShareSealer, packs: np.ndarray, plains: list[Any]
+    ) -> None:
+        """Seal our part's raw plaintexts and publish them for the cluster; a failed upload is only logged
+        (the others decrypt our part themselves after their wait)."""
+        sealed = sealer.seal(
+            plains,
+            federation=self.federation,
+            round_id=agg.round_id,
+            cluster_id=agg.cluster_id,
+            client_id=self.client_id,
+            packs=packs,
+        )
+        share = DecryptShare(self.client_id, agg.round_id, agg.cluster_id, (packs,), sealed)
+        try:
+            await self._publish(T.SHARE, share)
+        except TransportClosed:
+            raise
+        except TransportError as exc:
+            log.warning("round %d: could not send our decryption share: %s", agg.round_id, exc)
+
+    def _take_shares(
+        self,
+        agg: EncryptedAggregate,
+        total_weight: int,
+        book: ShareBook,
+        rank_of: dict[int, int],
+        used: set[str],
+        got: dict[int, Any],
+    ) -> int:
+        """Move the plaintexts of the shares not ``used`` yet into ``got`` (rank -> plaintext), after the
+        checks our own decryption would get (packs in the union; slot area and W·U when decoded). Returns how
+        many were new."""
+        assert self._he is not None
+        new = 0
+        for sender, peer in list(book.shares.items()):
+            if sender in used:
+                continue
+            used.add(sender)
+            if any(int(p) not in rank_of for p in peer.packs):
+                self.rejected.add("bad_share")
+                log.warning("round %d: share of %s names packs outside the union", agg.round_id, sender)
+                continue
+            try:
+                self._he.decode(peer.plains, total_weight)
+            except CryptoError as exc:
+                self.rejected.add("bad_share")
+                log.warning("round %d: share of %s does not decode: %s", agg.round_id, sender, exc)
+                continue
+            for p, m in zip(peer.packs, peer.plains, strict=True):
+                r = rank_of[int(p)]
+                if r not in got:
+                    got[r] = m
+                    new += 1
+        return new
+
     async def _decrypt(
         self, agg: EncryptedAggregate, pending: _Pending
     ) -> tuple[list[Any], dict[str, float]]:
@@ -679,28 +735,7 @@ class FedClient:
         a, b = ranks
         if b > a:
             await decrypt(list(range(a, b)))
-            packs = union[a:b].astype(np.int32)
-            sealed = sealer.seal(
-                [got[r] for r in range(a, b)],
-                federation=self.federation,
-                round_id=agg.round_id,
-                cluster_id=agg.cluster_id,
-                client_id=self.client_id,
-                packs=packs,
-            )
-            share = DecryptShare(
-                client_id=self.client_id,
-                round_id=agg.round_id,
-                cluster_id=agg.cluster_id,
-                packs=(packs,),
-                sealed=sealed,
-            )
-            try:
-                await self._publish(T.SHARE, share)
-            except TransportClosed:
-                raise
-            except TransportError as exc:  # the others decrypt our part themselves after their wait
-                log.warning("round %d: could not send our decryption share: %s", agg.round_id, exc)
+            await self._send_share(agg, sealer, union[a:b].astype(np.int32), [got[r] for r in range(a, b)])
         rank_of = {int(p): r for r, p in enumerate(union)}
         used: set[str] = set()
         from_peers = 0
@@ -708,25 +743,7 @@ class FedClient:
         give_up = t_wait + share_wait(pending.task.config)
         order = [r % len(cts) for r in range(b, b + len(cts))]  # where to start decrypting missing packs
         while len(got) < len(cts):
-            for sender, peer in list(pending.book.shares.items()):
-                if sender in used:
-                    continue
-                used.add(sender)
-                if any(int(p) not in rank_of for p in peer.packs):
-                    self.rejected.add("bad_share")
-                    log.warning("round %d: share of %s names packs outside the union", agg.round_id, sender)
-                    continue
-                where = [rank_of[int(p)] for p in peer.packs]
-                try:  # the checks our own decryption would get (slot area, W·U)
-                    he.decode(peer.plains, hagg.total_weight)
-                except CryptoError as exc:
-                    self.rejected.add("bad_share")
-                    log.warning("round %d: share of %s does not decode: %s", agg.round_id, sender, exc)
-                    continue
-                for r, m in zip(where, peer.plains, strict=True):
-                    if r not in got:
-                        got[r] = m
-                        from_peers += 1
+            from_peers += self._take_shares(agg, hagg.total_weight, pending.book, rank_of, used, got)
             if len(got) == len(cts):
                 break
             left = give_up - time.perf_counter()

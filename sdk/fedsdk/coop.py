@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_WAIT_S", "PeerShare", "ShareBook", "share_ranks", "share_wait"]
+__all__ = ["DEFAULT_WAIT_S", "PeerShare", "ShareBook", "part_ranks", "share_ranks", "share_wait"]
 
 DEFAULT_WAIT_S = 1.0
 
@@ -43,9 +43,15 @@ def share_ranks(config: Mapping[str, Any], n_union: int) -> tuple[int, int] | No
         return None
     if not 0.0 <= float(lo) <= float(hi) <= 1.0:
         return None
+    return part_ranks(float(lo), float(hi), n_union)
+
+
+def part_ranks(lo: float, hi: float, n_union: int) -> tuple[int, int]:
+    """The ranks ``[a, b)`` of a union of ``n_union`` packs that the fraction ``[lo, hi)`` stands for (the
+    one rounding rule devices and coordinator share)."""
 
     def rank(x: float) -> int:
-        return min(n_union, max(0, math.floor(float(x) * n_union + 0.5)))
+        return min(n_union, max(0, math.floor(x * n_union + 0.5)))
 
     return rank(lo), rank(hi)
 

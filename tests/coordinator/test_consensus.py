@@ -73,31 +73,15 @@ def test_masks_that_do_not_fit_are_refused_on_both_sides() -> None:
     ],
 )
 def test_the_coordinator_checks_the_mask_floor(tmp_path: Path, strategy: str, floor: str, ok: bool) -> None:
+    from engines import make_engine
     from fedsdk.crypto import generate_backend, load_backend
-    from fedsdk.model import build_graphs, init_params, mlp
-    from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
-    from fedsdk_coordinator.store import Store
 
     backend = {"fedsdk": "packed", "maskcrypt": "paillier", "plain-he": "paillier"}.get(strategy)
     he = None
     if backend:
         full = generate_backend(backend, key_bits=1024)
         he = load_backend(backend, full.params, full.public_bytes())
-
-    async def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
-        pass
-
-    spec = mlp(hidden=(8,))
-    config = RoundConfig(strategy=strategy, mask_floor=floor)
-    make = lambda: RoundEngine(  # noqa: E731
-        config,
-        store=Store(tmp_path / "s.sqlite"),
-        bundle=build_graphs(spec),
-        initial_weights=init_params(spec, seed=0),
-        eval_data=None,
-        publish=publish,
-        he=he,
-    )
+    make = lambda: make_engine(tmp_path, he, strategy=strategy, mask_floor=floor)  # noqa: E731
     if ok:
         task = decode(make()._task(1, 0, "d0", phase="train", budget=0.1))
         assert isinstance(task, Task) and task.config["mask_floor"] == floor

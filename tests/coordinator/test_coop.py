@@ -8,14 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from engines import make_engine
 from fedsdk.crypto import HEBackend, generate_backend, load_backend
 from fedsdk.errors import ConfigError
-from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.protocol import Task, decode
-from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
-from fedsdk_coordinator.store import Store
-
-SPEC = mlp(hidden=(8,))
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +21,6 @@ def public() -> dict[str, HEBackend]:
         full = generate_backend(name, key_bits=1024)
         out[name] = load_backend(name, full.params, full.public_bytes())
     return out
-
-
-def engine(tmp_path: Path, he: HEBackend | None, **config: object) -> RoundEngine:
-    async def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
-        pass
-
-    return RoundEngine(
-        RoundConfig(**config),  # type: ignore[arg-type]
-        store=Store(tmp_path / "s.sqlite"),
-        bundle=build_graphs(SPEC),
-        initial_weights=init_params(SPEC, seed=0),
-        eval_data=None,
-        publish=publish,
-        he=he,
-    )
 
 
 @pytest.mark.parametrize(
@@ -55,7 +36,7 @@ def engine(tmp_path: Path, he: HEBackend | None, **config: object) -> RoundEngin
 def test_which_federations_split_the_decryption(
     tmp_path: Path, public: dict[str, HEBackend], strategy: str, backend: str | None, extra: dict, coop: bool
 ) -> None:
-    e = engine(tmp_path, public[backend] if backend else None, strategy=strategy, **extra)
+    e = make_engine(tmp_path, public[backend] if backend else None, strategy=strategy, **extra)
     assert e.coop is coop
     assert bool(e._shares(["d0", "d1", "d2"])) is coop
     assert e._shares(["solo"]) == {}  # nobody to share with
@@ -63,11 +44,11 @@ def test_which_federations_split_the_decryption(
 
 def test_asking_for_it_where_it_cannot_work_is_an_error(tmp_path: Path, public: dict[str, HEBackend]) -> None:
     with pytest.raises(ConfigError, match="packed backend"):
-        engine(tmp_path, public["paillier"], strategy="sensecrypt", coop_decrypt=True)
+        make_engine(tmp_path, public["paillier"], strategy="sensecrypt", coop_decrypt=True)
     with pytest.raises(ConfigError, match="packed backend"):
-        engine(tmp_path, None, strategy="plaintext", coop_decrypt=True)
+        make_engine(tmp_path, None, strategy="plaintext", coop_decrypt=True)
     with pytest.raises(ConfigError, match="share_wait_s"):
-        engine(tmp_path, public["packed"], strategy="fedsdk", share_wait_s=-1.0)
+        make_engine(tmp_path, public["packed"], strategy="fedsdk", share_wait_s=-1.0)
 
 
 def test_a_task_carries_the_devices_part_only_in_its_round(
@@ -75,7 +56,7 @@ def test_a_task_carries_the_devices_part_only_in_its_round(
 ) -> None:
     import asyncio
 
-    e = engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, share_wait_s=2.5)
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, share_wait_s=2.5)
     e.online = dict.fromkeys(("d0", "d1"))  # type: ignore[arg-type]
     (rnd,) = asyncio.run(e._plan(1))
     assert rnd.shares == {"d0": (0.0, 0.5), "d1": (0.5, 1.0)}  # no speed measured yet: equal parts
