@@ -152,6 +152,7 @@ def _mosquitto_config(
         "log_type notice",
         "log_type information",
         "connection_messages true",
+        "set_tcp_nodelay true",  # as fedsdk.mosquitto and `fedsdk provision` write it
         f"listener {port} {HOST}",
     ]
     if os.geteuid() == 0:

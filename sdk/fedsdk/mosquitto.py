@@ -14,6 +14,8 @@ decisions (mosquitto.conf(5), mosquitto 2.0):
   limit, so it raises it and says so in its report (the load test's ``--max-queued 1000`` shows the default).
 * ``max_connections -1`` (no limit; the default, written out), ``persistence false`` (a throw-away broker),
   ``max_inflight_messages 20`` (the default, matching the transport's flow-control window).
+* ``set_tcp_nodelay true``: Nagle's algorithm off on the broker's client sockets, as the transport does on
+  its own (:mod:`fedsdk.transport`); otherwise a message to a device can wait for a delayed ACK (40 ms).
 * ``tls``: a TLS listener that requires a client certificate from the run's development CA, the
   certificate's CN becoming the MQTT username (as in production; no ACL file: the ACL is tested elsewhere,
   with the configuration ``fedsdk provision`` writes).
@@ -110,6 +112,7 @@ class LoopbackMosquitto:
             f"max_queued_messages {self.max_queued}",
             "max_inflight_messages 20",
             "max_connections -1",
+            "set_tcp_nodelay true",
             f"listener {port} {HOST}",
         ]
         if os.geteuid() == 0:

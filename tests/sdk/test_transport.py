@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import sys
 import textwrap
 import zlib
@@ -367,6 +368,26 @@ async def test_unreachable_broker_is_a_connect_error_within_the_timeout() -> Non
 
 
 # ------------------------------------------------------------------------------------------- mTLS
+def _nagle_off(t: MqttTransport) -> bool:
+    assert t._client is not None
+    sock = t._client.socket()
+    return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+
+async def test_nagle_is_off_on_plain_and_tls_links_and_after_a_reconnect(
+    mosquitto: MosquittoProcess, mosquitto_tls: MosquittoProcess, dev_pki: DevPki
+) -> None:
+    async with plain(mosquitto.url, "nodelay") as t:
+        assert _nagle_off(t)
+        back = asyncio.create_task(t.wait_reconnect(timeout=30))
+        await asyncio.to_thread(mosquitto.stop)
+        await asyncio.to_thread(mosquitto.start)
+        assert await asyncio.wait_for(back, 30) >= 1
+        assert _nagle_off(t)  # the new socket of the reconnect too
+    async with MqttTransport.from_url(mosquitto_tls.url, client_id="dev1", tls=dev_pki.tls_for("dev1")) as t:
+        assert _nagle_off(t)
+
+
 async def test_mutual_tls_round_trip(mosquitto_tls: MosquittoProcess, dev_pki: DevPki) -> None:
     url = mosquitto_tls.url
     async with MqttTransport.from_url(url, client_id="dev1", tls=dev_pki.tls_for("dev1")) as a:

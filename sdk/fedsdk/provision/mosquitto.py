@@ -63,6 +63,10 @@ autosave_interval 60
 max_inflight_messages 20
 max_queued_messages 100000
 
+# Nagle's algorithm off on client sockets: fedsdk's messages are small and latency-bound, and with Nagle on
+# a publish can wait for a delayed ACK (40 ms on Linux) behind a PUBACK at every hop.
+set_tcp_nodelay true
+
 log_dest stderr
 log_type error
 log_type warning
