@@ -20,7 +20,8 @@ Decisions:
   retained (the retained message there is the aggregate). It cannot open a share (AES-GCM under a key
   derived from the HE secret key) and does not try; its checks are on the envelope: round, cluster,
   sender, pack indices within the model.
-* Relayed in **one bundle** (``ShareBundle``, the devices' envelopes byte for byte): when every device
+* Relayed in **one bundle** (``ShareBundle``: each share's sender, packs and sealed bytes as received,
+  without its envelope, which every device would otherwise decode once per share): when every device
   with a non-empty part has shared, or ``share_wait_s / 2`` after the aggregate went out, whichever is
   first; a share arriving after that goes out at once. A device needs every part anyway, so holding them
   costs it nothing, while relaying each one would cost every device one message per device of its

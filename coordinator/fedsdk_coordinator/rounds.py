@@ -160,7 +160,7 @@ class _RoundState:
     shares: dict[str, tuple[float, float]] = field(default_factory=dict)  # cooperative decryption (coop.py)
     shared: set[str] = field(default_factory=set)  # devices whose decryption share was taken
     share_expect: set[str] = field(default_factory=set)  # devices with a non-empty part of the union
-    share_buffer: list[bytes] = field(default_factory=list)  # shares held for the bundle (coop.py)
+    share_buffer: list[DecryptShare] = field(default_factory=list)  # shares held for the bundle (coop.py)
     share_flushed: bool = False  # the bundle went out: later shares are relayed one by one
     share_timer: asyncio.TimerHandle | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -365,7 +365,7 @@ class RoundEngine:
             elif isinstance(msg, Report):
                 self._on_report(client_id, msg)
             elif isinstance(msg, DecryptShare):
-                self._on_share(client_id, msg, payload)
+                self._on_share(client_id, msg)
             elif isinstance(msg, Update | EncryptedUpdate | Error):
                 self._on_reply(client_id, msg, payload)
         except ValidationError as exc:
@@ -478,7 +478,7 @@ class RoundEngine:
         if set(rnd.reports) >= {c for c, r in rnd.replies.items() if not isinstance(r, Error)}:
             rnd.reported.set()
 
-    def _on_share(self, client_id: str, msg: DecryptShare, payload: bytes) -> None:
+    def _on_share(self, client_id: str, msg: DecryptShare) -> None:
         """Relay a device's sealed decryption share to its cluster, unopened (coop.py)."""
         rnd = self._rounds.get(msg.cluster_id)
         if rnd is None or rnd.round_id != msg.round_id or rnd.collecting or client_id not in rnd.shares:
@@ -491,7 +491,7 @@ class RoundEngine:
             raise ValidationError("bad_field", f"share of {packs.size} packs up to {int(packs[-1])}")
         self._seen(client_id)
         rnd.shared.add(client_id)
-        rnd.share_buffer.append(payload)
+        rnd.share_buffer.append(msg)
         if rnd.share_flushed or rnd.share_expect <= rnd.shared:
             self._flush_shares(rnd)
 

@@ -607,46 +607,36 @@ class FedClient:
         return self._sealer
 
     def _on_bundle(self, bundle: ShareBundle) -> None:
-        """The coordinator's relay of devices' shares: each inner envelope is decoded and checked."""
-        for raw in bundle.envelopes():
-            try:
-                msg = decode(raw)
-            except ValidationError as exc:
-                self.rejected.add(exc.code)
-                log.warning("rejected share in a bundle: %s", exc.reason)
-                continue
-            if not isinstance(msg, DecryptShare) or (msg.round_id, msg.cluster_id) != (
-                bundle.round_id,
-                bundle.cluster_id,
-            ):
-                self.rejected.add("bad_share")
-                log.warning("a share bundle of round %d holds a %s", bundle.round_id, type(msg).__name__)
-                continue
-            self._on_share(msg)
+        """The coordinator's relay of devices' shares: each is opened (authenticated) as it arrives."""
+        for sender, packs, sealed in bundle.items():
+            self._on_share(bundle.round_id, bundle.cluster_id, sender, packs, sealed)
 
-    def _on_share(self, msg: DecryptShare) -> None:
-        """A share relayed on our cluster topic: open it and keep it for its round (its packs are checked
-        against the aggregate when they are used)."""
-        pending = self._pending.get(msg.round_id)
-        if msg.client_id == self.client_id or pending is None or msg.cluster_id != pending.task.cluster_id:
+    def _on_share(
+        self, round_id: int, cluster_id: int, sender: str, packs: np.ndarray, sealed: bytes
+    ) -> None:
+        """One relayed share: open it and keep it for its round. Opening is the authentication (AES-GCM over
+        federation, round, cluster, sender and packs); the plaintexts are checked when the aggregate is
+        decoded (``_recheck_shares``)."""
+        pending = self._pending.get(round_id)
+        if sender == self.client_id or pending is None or cluster_id != pending.task.cluster_id:
             return  # our own echo, or a round this device is not applying: nothing to do
         sealer = self._share_sealer()
         if sealer is None:
             return
         try:
             plains = sealer.open(
-                msg.sealed,
+                sealed,
                 federation=self.federation,
-                round_id=msg.round_id,
-                cluster_id=msg.cluster_id,
-                client_id=msg.client_id,
-                packs=msg.pack_indices,
+                round_id=round_id,
+                cluster_id=cluster_id,
+                client_id=sender,
+                packs=packs,
             )
         except CryptoError as exc:
             self.rejected.add("bad_share")
-            log.warning("round %d: share of %s refused: %s", msg.round_id, msg.client_id, exc)
+            log.warning("round %d: share of %s refused: %s", round_id, sender, exc)
             return
-        pending.book.add(PeerShare(msg.client_id, np.array(msg.pack_indices, dtype=np.int64), plains))
+        pending.book.add(PeerShare(sender, np.array(packs, dtype=np.int64), plains))
 
     async def _send_share(
         self, agg: EncryptedAggregate, sealer: ShareSealer, packs: np.ndarray, plains: list[Any]
@@ -672,43 +662,37 @@ class FedClient:
     def _take_shares(
         self,
         agg: EncryptedAggregate,
-        total_weight: int,
         book: ShareBook,
         rank_of: dict[int, int],
-        used: set[str],
         got: dict[int, Any],
+        from_peer: dict[str, list[int]],
     ) -> int:
-        """Move the plaintexts of the shares not ``used`` yet into ``got`` (rank -> plaintext), after the
-        checks our own decryption would get (packs in the union; slot area and W·U when decoded). Returns how
-        many were new."""
-        assert self._he is not None
+        """Move the plaintexts of the shares not taken yet into ``got`` (rank -> plaintext) and note in
+        ``from_peer`` which ranks came from whom. A share naming a pack outside the union is refused here;
+        the plaintexts themselves are checked by decoding the whole aggregate, once (``_recheck_shares``).
+        Returns how many ranks were new."""
         new = 0
         for sender, peer in list(book.shares.items()):
-            if sender in used:
+            if sender in from_peer:
                 continue
-            used.add(sender)
+            from_peer[sender] = []
             if any(int(p) not in rank_of for p in peer.packs):
                 self.rejected.add("bad_share")
                 log.warning("round %d: share of %s names packs outside the union", agg.round_id, sender)
-                continue
-            try:
-                self._he.decode(peer.plains, total_weight)
-            except CryptoError as exc:
-                self.rejected.add("bad_share")
-                log.warning("round %d: share of %s does not decode: %s", agg.round_id, sender, exc)
                 continue
             for p, m in zip(peer.packs, peer.plains, strict=True):
                 r = rank_of[int(p)]
                 if r not in got:
                     got[r] = m
+                    from_peer[sender].append(r)
                     new += 1
         return new
 
     async def _decrypt(
         self, agg: EncryptedAggregate, pending: _Pending
-    ) -> tuple[list[Any], dict[str, float]]:
+    ) -> tuple[list[Any], dict[str, float], dict[str, list[int]]]:
         """The raw decryptions of all of ``agg``'s ciphertexts: ours, and the cluster's shares when the task
-        asked for cooperative decryption (module docstring)."""
+        asked for cooperative decryption (module docstring), with the ranks each peer's share filled."""
         he = self._he
         if he is None or not he.can_decrypt:
             raise CryptoError("an encrypted aggregate needs the secret key (key mode 'shared')")
@@ -719,6 +703,7 @@ class FedClient:
         ranks = share_ranks(pending.task.config, len(union))
         sealer = self._share_sealer() if ranks is not None else None
         got: dict[int, Any] = {}  # rank -> raw plaintext
+        from_peer: dict[str, list[int]] = {}
         spent = 0.0
 
         async def decrypt(which: list[int]) -> None:
@@ -731,25 +716,25 @@ class FedClient:
         if ranks is None or sealer is None:
             if cts:
                 await decrypt(list(range(len(cts))))
-            return [got[r] for r in range(len(cts))], {"decrypt_s": spent, "decrypted_packs": float(len(cts))}
+            sums = [got[r] for r in range(len(cts))]
+            return sums, {"decrypt_s": spent, "decrypted_packs": float(len(cts))}, from_peer
         a, b = ranks
         if b > a:
             await decrypt(list(range(a, b)))
             await self._send_share(agg, sealer, union[a:b].astype(np.int32), [got[r] for r in range(a, b)])
         rank_of = {int(p): r for r, p in enumerate(union)}
-        used: set[str] = set()
         from_peers = 0
         t_wait = time.perf_counter()
         give_up = t_wait + share_wait(pending.task.config)
         order = [r % len(cts) for r in range(b, b + len(cts))]  # where to start decrypting missing packs
         while len(got) < len(cts):
-            from_peers += self._take_shares(agg, hagg.total_weight, pending.book, rank_of, used, got)
+            from_peers += self._take_shares(agg, pending.book, rank_of, got, from_peer)
             if len(got) == len(cts):
                 break
             left = give_up - time.perf_counter()
             if left > 0:
                 pending.book.arrived.clear()
-                if set(pending.book.shares) - used:
+                if set(pending.book.shares) - set(from_peer):
                     continue
                 try:
                     await asyncio.wait_for(pending.book.arrived.wait(), left)
@@ -763,7 +748,44 @@ class FedClient:
             "shared_packs": float(from_peers),
             "share_wait_s": time.perf_counter() - t_wait,
         }
-        return [got[r] for r in range(len(cts))], metrics
+        return [got[r] for r in range(len(cts))], metrics, from_peer
+
+    async def _recheck_shares(
+        self,
+        agg: EncryptedAggregate,
+        sums: list[Any],
+        metrics: dict[str, float],
+        from_peer: dict[str, list[int]],
+    ) -> bool:
+        """After the assembled aggregate failed to decode: decode each peer's part on its own, refuse the
+        shares that fail, and decrypt their packs ourselves (in ``sums``). False when no share was at fault
+        (the aggregate itself is bad)."""
+        he = self._he
+        assert he is not None
+        hagg = pipeline.he_aggregate_from_message(agg)
+        bad: list[int] = []
+        for sender, ranks in list(from_peer.items()):
+            if not ranks:
+                continue
+            try:
+                he.decode([sums[r] for r in ranks], hagg.total_weight)
+            except CryptoError as exc:
+                self.rejected.add("bad_share")
+                log.warning("round %d: share of %s does not decode: %s", agg.round_id, sender, exc)
+                bad += from_peer.pop(sender)
+        if not bad:
+            return False
+        bad.sort()
+        cts = list(hagg.ciphertexts)
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        plains = await loop.run_in_executor(None, self._decrypt_packs, agg, [cts[r] for r in bad])
+        for r, m in zip(bad, plains, strict=True):
+            sums[r] = m
+        metrics["decrypt_s"] = metrics.get("decrypt_s", 0.0) + time.perf_counter() - t0
+        metrics["decrypted_packs"] = metrics.get("decrypted_packs", 0.0) + len(bad)
+        metrics["shared_packs"] = metrics.get("shared_packs", 0.0) - len(bad)
+        return True
 
     def _start_apply(self, agg: Aggregate | EncryptedAggregate) -> None:
         task = asyncio.create_task(self._apply_guarded(agg), name=f"fedclient-apply-{self.client_id}")
@@ -792,10 +814,19 @@ class FedClient:
         pending.applying = True
         loop = asyncio.get_running_loop()
         try:
-            sums, dec = (
-                await self._decrypt(agg, pending) if isinstance(agg, EncryptedAggregate) else (None, {})
-            )
-            metrics = await loop.run_in_executor(None, self._apply, agg, pending, sums)
+            sums: list[Any] | None = None
+            dec: dict[str, float] = {}
+            if isinstance(agg, EncryptedAggregate):
+                sums, dec, from_peer = await self._decrypt(agg, pending)
+            try:
+                metrics = await loop.run_in_executor(None, self._apply, agg, pending, sums)
+            except CryptoError:
+                # Shares are checked only when the aggregate does not decode (the happy path decodes once).
+                if not (isinstance(agg, EncryptedAggregate) and sums is not None):
+                    raise
+                if not await self._recheck_shares(agg, sums, dec, from_peer):
+                    raise
+                metrics = await loop.run_in_executor(None, self._apply, agg, pending, sums)
         except (ValidationError, CryptoError, ValueError) as exc:
             pending.applying = False
             self.rejected.add(

@@ -1,10 +1,13 @@
 """Cooperative decryption between real FedClients (fedsdk.coop): three devices with the same packed Paillier
 key train under a real mosquitto; the test plays the coordinator with its own transport and the public key
 only: it splits the union in thirds, aggregates, and relays the devices' shares (a bundle each), except
-that it never relays the third device's share (a device that left) and slips in a forged share under the
-second device's name. What is checked: every device ends with the same model, exactly the one the secret key
-decrypts from the aggregate; the first two decrypt the missing third themselves after the wait, the third
-uses both shares; the forged share is refused by every device it reached.
+that it never relays the third device's share (a device that left) and slips in two forgeries: one under
+the second device's name that does not authenticate (not sealed with the key), and one under the first
+device's name, sealed with the key (a rogue key holder) but holding garbage, relayed before the real one.
+What is checked: every device ends with the same model, exactly the one the secret key decrypts from the
+aggregate; the unauthenticated forgery is refused on arrival; the garbage one is caught when the assembled
+aggregate does not decode, and the devices that took it decrypt that third themselves; the first two
+decrypt the missing third themselves after the wait.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 from brokers import MosquittoProcess
 from fedsdk.client import FedClient
 from fedsdk.crypto import generate_backend, load_backend
+from fedsdk.crypto.shares import ShareSealer
 from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import contribution_from_message, message_from_he_aggregate, unflatten
@@ -83,6 +87,7 @@ async def test_devices_assemble_the_aggregate_from_shares_and_cover_a_missing_on
     keyholder = generate_backend("packed", key_bits=1024)
     params, public, secret = keyholder.params, keyholder.public_bytes(), keyholder.secret_bytes()
     coordinator_he = load_backend("packed", params, public)
+    rogue = ShareSealer(keyholder)  # a device that holds the key and seals garbage under d0's name
     queue: asyncio.Queue[Message] = asyncio.Queue()
 
     async def pump(t: MqttTransport) -> None:
@@ -146,10 +151,16 @@ async def test_devices_assemble_the_aggregate_from_shares_and_cover_a_missing_on
                     shares[cid] = share
                     if cid == "d1" and not forged:  # a forgery under d1's name first, then d1's own
                         fake = dataclasses.replace(share, sealed=bytes(len(share.sealed)))
-                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [encode(fake)])))
+                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [fake])))
                         forged = True
+                    if cid == "d0":  # sealed with the key, but garbage: authenticates, does not decode
+                        junk = [secrets.randbelow(rogue.n) for _ in share.pack_indices]
+                        where = {"federation": fed, "round_id": 1, "cluster_id": 0, "client_id": "d0"}
+                        sealed = rogue.seal(junk, packs=share.pack_indices, **where)
+                        garbage = dataclasses.replace(share, sealed=sealed)
+                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [garbage])))
                     if cid != "d2":  # d2's share is lost
-                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [m.payload])))
+                        await coord.publish(T.cluster(fed, 0), encode(ShareBundle.of(1, 0, [share])))
                 elif kind == T.REPORT:
                     report = decode(m.payload)
                     assert isinstance(report, Report)
@@ -167,18 +178,20 @@ async def test_devices_assemble_the_aggregate_from_shares_and_cover_a_missing_on
 
     thirds = {cid: shares[cid].pack_indices.size for cid in DEVICES}
     assert sum(thirds.values()) == union and min(thirds.values()) > 0
-    for cid, theirs in (("d0", thirds["d1"]), ("d1", thirds["d0"])):  # d2's third: decrypted themselves
+    # d0 takes d1's share and decrypts d2's third after the wait; d1 took the garbage as d0's share (the
+    # real one came second), so it decrypts d0's third once the aggregate failed to decode, and d2's after
+    # the wait; d2 has every share at once and decrypts its own third and d0's.
+    for cid, shared in (("d0", thirds["d1"]), ("d1", 0), ("d2", thirds["d1"])):
         m = reports[cid].metrics
-        assert m["shared_packs"] == theirs and m["decrypted_packs"] == union - theirs, (cid, m)
-        assert m["share_wait_s"] >= 0.5
-    m = reports["d2"].metrics
-    assert m["shared_packs"] == thirds["d0"] + thirds["d1"] and m["decrypted_packs"] == thirds["d2"], m
+        assert m["shared_packs"] == shared and m["decrypted_packs"] == union - shared, (cid, m)
+    assert reports["d0"].metrics["share_wait_s"] >= 0.5 and reports["d1"].metrics["share_wait_s"] >= 0.5
     keyholder_avg = keyholder.decrypt_aggregate(agg)
     want = [b + d for b, d in zip(w0, unflatten(keyholder_avg, [w.shape for w in w0]), strict=True)]
     for c, s in zip(clients, summaries, strict=True):
         assert s.state == "finished" and s.applied_rounds == [1], (c.client_id, s)
         for got, w in zip(c.weights or [], want, strict=True):
             np.testing.assert_array_equal(got, w)
-    assert clients[0].rejected.as_dict() == {"bad_share": 1}  # the forgery
-    assert clients[2].rejected.as_dict() == {"bad_share": 1}
+    assert clients[0].rejected.as_dict() == {"bad_share": 1}  # the forgery under d1's name
+    assert clients[1].rejected.as_dict() == {"bad_share": 1}  # the garbage under d0's name
+    assert clients[2].rejected.as_dict() == {"bad_share": 2}  # both
     keyholder.close()

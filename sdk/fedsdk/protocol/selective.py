@@ -19,7 +19,7 @@ Single arrays travel as one-element array tuples (the envelope's ``ARRAYS`` wire
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -34,6 +34,7 @@ from fedsdk.protocol.fields import (
     check_id,
     check_int,
     check_map,
+    check_names,
     check_opt_float,
     check_text,
 )
@@ -306,15 +307,10 @@ class DecryptShare(BaseMessage):
         self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
         self._set("cluster_id", check_int(self.cluster_id, "cluster_id", 0, MAX_ROUND))
         packs = _one(self.packs, "packs", "int32")
-        idx = packs[0]
-        if idx.size == 0 or int(idx.min()) < 0 or (idx.size > 1 and not bool(np.all(np.diff(idx) > 0))):
-            raise ValidationError(
-                "bad_field", "packs must be non-empty, non-negative and strictly increasing"
-            )
+        _share_packs(packs[0], "packs")
         self._set("packs", packs)
         sealed = check_bytes(self.sealed, "sealed")
-        if len(sealed) < SEALED_OVERHEAD + idx.size:
-            raise ValidationError("bad_shape", f"sealed share of {len(sealed)} bytes for {idx.size} packs")
+        _sealed_size(len(sealed), packs[0].size)
         self._set("sealed", sealed)
 
     @property
@@ -325,39 +321,83 @@ class DecryptShare(BaseMessage):
 @register
 @dataclass(frozen=True, eq=False, repr=False)
 class ShareBundle(BaseMessage):
-    """Devices' :class:`DecryptShare` envelopes for round ``round_id``, relayed as received (byte for byte) in
-    one message to the cluster: ``shares`` is their concatenation, ``lengths`` one int64 array of their
-    sizes. Each envelope is decoded and checked by the receiver like any message."""
+    """Several devices' :class:`DecryptShare` for round ``round_id``, relayed in one message to the cluster:
+    share ``i`` is ``senders[i]``'s sealed plaintexts (``sealed`` cut by ``lengths``, one int64 array) of
+    the packs ``packs[i]`` (one int32 array per share, strictly increasing), checked as a DecryptShare is.
+
+    The shares travel without their envelopes: a device authenticates each by opening it (the AES-GCM
+    associated data binds federation, round, cluster, sender and packs; ``fedsdk.crypto.shares``), so a
+    relay can drop a share but not alter or re-attribute one, and decoding twenty envelopes per bundle on
+    every device (0.16 ms each here, most of the bundle's cost) buys nothing the seal does not check.
+    """
 
     KIND: ClassVar[MessageKind] = MessageKind.SHARE_BUNDLE
     WIRE: ClassVar[Mapping[str, Wire]] = {
         "round_id": Wire.INT,
         "cluster_id": Wire.INT,
+        "senders": Wire.NAMES,
+        "packs": Wire.ARRAYS,
         "lengths": Wire.ARRAYS,
-        "shares": Wire.BYTES,
+        "sealed": Wire.BYTES,
     }
 
     round_id: int
     cluster_id: int
+    senders: tuple[str, ...]
+    packs: tuple[np.ndarray, ...]
     lengths: tuple[np.ndarray, ...]
-    shares: bytes
+    sealed: bytes
 
     def __post_init__(self) -> None:
         self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
         self._set("cluster_id", check_int(self.cluster_id, "cluster_id", 0, MAX_ROUND))
-        self._set("shares", check_bytes(self.shares, "shares"))
-        count = _one(self.lengths, "lengths", "int64")[0].size
-        if count == 0:
+        senders = check_names(self.senders, "senders")
+        for sender in senders:
+            check_id(sender, "sender")
+        if not senders:
             raise ValidationError("bad_field", "a share bundle holds at least one share")
-        self._set("lengths", _lengths(self.lengths, "lengths", self.shares, count))
+        self._set("senders", senders)
+        packs = check_arrays(self.packs, "packs")
+        if len(packs) != len(senders):
+            raise ValidationError("bad_shape", f"{len(packs)} pack arrays for {len(senders)} senders")
+        for i, idx in enumerate(packs):
+            if idx.ndim != 1 or idx.dtype != np.dtype("int32"):
+                raise ValidationError("bad_dtype", f"packs[{i}] must be one 1-D int32 array")
+            _share_packs(idx, f"packs[{i}]")
+        self._set("packs", packs)
+        sealed = check_bytes(self.sealed, "sealed")
+        self._set("sealed", sealed)
+        lengths = _lengths(self.lengths, "lengths", sealed, len(senders))
+        for n, idx in zip(lengths[0].tolist(), packs, strict=True):
+            _sealed_size(n, idx.size)
+        self._set("lengths", lengths)
 
     @classmethod
-    def of(cls, round_id: int, cluster_id: int, envelopes: Sequence[bytes]) -> ShareBundle:
-        blob, lengths = join_parts(envelopes)
-        return cls(round_id=round_id, cluster_id=cluster_id, lengths=(lengths,), shares=blob)
+    def of(cls, round_id: int, cluster_id: int, shares: Sequence[DecryptShare]) -> ShareBundle:
+        """The bundle of ``shares`` (already checked DecryptShare messages of this round and cluster)."""
+        blob, lengths = join_parts([s.sealed for s in shares])
+        return cls(
+            round_id=round_id,
+            cluster_id=cluster_id,
+            senders=tuple(s.client_id for s in shares),
+            packs=tuple(s.pack_indices for s in shares),
+            lengths=(lengths,),
+            sealed=blob,
+        )
 
-    def envelopes(self) -> tuple[bytes, ...]:
-        return split_parts(self.shares, self.lengths[0])
+    def items(self) -> Iterator[tuple[str, np.ndarray, bytes]]:
+        """(sender, pack indices, sealed bytes) of each share, in order."""
+        return zip(self.senders, self.packs, split_parts(self.sealed, self.lengths[0]), strict=True)
+
+
+def _share_packs(idx: np.ndarray, what: str) -> None:
+    if idx.size == 0 or int(idx.min()) < 0 or (idx.size > 1 and not bool(np.all(np.diff(idx) > 0))):
+        raise ValidationError("bad_field", f"{what} must be non-empty, non-negative and strictly increasing")
+
+
+def _sealed_size(n: int, packs: int) -> None:
+    if n < SEALED_OVERHEAD + packs:
+        raise ValidationError("bad_shape", f"sealed share of {n} bytes for {packs} packs")
 
 
 @register

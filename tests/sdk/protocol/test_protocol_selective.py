@@ -115,18 +115,58 @@ def test_decrypt_share_refuses_bad_packs_and_short_seals() -> None:
     assert e.value.code == "bad_shape"
 
 
-@given(parts=st.lists(st.binary(min_size=0, max_size=80), min_size=1, max_size=20))
-def test_share_bundle_round_trip(parts: list[bytes]) -> None:
-    bundle = ShareBundle.of(3, 1, parts)
+_share_parts = st.lists(
+    st.tuples(
+        st.sets(st.integers(0, 10_000), min_size=1, max_size=6),
+        st.binary(min_size=0, max_size=40),
+    ),
+    min_size=1,
+    max_size=20,
+)
+
+
+@given(parts=_share_parts)
+def test_share_bundle_round_trip(parts: list[tuple[set[int], bytes]]) -> None:
+    shares = [
+        DecryptShare(f"dev-{i}", 3, 1, (np.array(sorted(p), np.int32),), bytes(28 + len(p)) + extra)
+        for i, (p, extra) in enumerate(parts)
+    ]
+    bundle = ShareBundle.of(3, 1, shares)
     back = decode(encode(bundle))
     assert back == bundle and isinstance(back, ShareBundle)
-    assert back.envelopes() == tuple(parts)
+    items = list(back.items())
+    assert [(s, p.tolist(), b) for s, p, b in items] == [
+        (sh.client_id, sh.pack_indices.tolist(), sh.sealed) for sh in shares
+    ]
+    # smaller than the envelopes it replaces, which each repeat a header
+    assert len(encode(bundle)) < sum(len(encode(sh)) for sh in shares) + 200
 
 
-def test_share_bundle_refuses_an_empty_bundle_and_bad_lengths() -> None:
+def test_share_bundle_refuses_what_a_decrypt_share_refuses() -> None:
+    ok, seal = (np.array([1, 4], np.int32),), bytes(30)
     with pytest.raises(ValidationError) as e:
         ShareBundle.of(3, 1, [])
     assert e.value.code == "bad_field"
-    with pytest.raises(ValidationError) as e:
-        ShareBundle(3, 1, (np.array([2, 2], np.int64),), b"abc")
-    assert e.value.code == "bad_shape"
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"senders": ("a", "a"), "packs": ok * 2, "lengths": (np.array([30, 30], np.int64),)}, "bad_field"),
+        ({"senders": ("a", "b")}, "bad_shape"),  # two senders, one pack array
+        ({"packs": (np.array([4, 1], np.int32),)}, "bad_field"),
+        ({"packs": (np.array([], np.int32),)}, "bad_field"),
+        ({"packs": (np.array([1, 4], np.int64),)}, "bad_dtype"),
+        ({"lengths": (np.array([29], np.int64),)}, "bad_shape"),  # does not add up to the blob
+        ({"lengths": (np.array([29], np.int64),), "sealed": bytes(29)}, "bad_shape"),  # too short for 2 packs
+        ({"senders": ("no/slash",)}, "bad_field"),
+    ]
+    for change, code in cases:
+        fields: dict[str, object] = {
+            "round_id": 3,
+            "cluster_id": 1,
+            "senders": ("a",),
+            "packs": ok,
+            "lengths": (np.array([30], np.int64),),
+            "sealed": seal,
+        }
+        fields.update(change)
+        with pytest.raises(ValidationError) as e:
+            ShareBundle(**fields)  # type: ignore[arg-type]
+        assert e.value.code == code, change
