@@ -52,6 +52,7 @@ from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
 from fedsdk.masking import floor_packs, parse_floors
 from fedsdk.model import GraphBundle, OnnxModel
 from fedsdk.protocol import (
+    BYE_LOST,
     Aggregate,
     BaseMessage,
     Bye,
@@ -77,6 +78,7 @@ from fedsdk_coordinator.budgets import DeviceCapacity, deadline_budgets, sensecr
 from fedsdk_coordinator.clustering import Clustering, assign_nearest, cluster_sketches
 from fedsdk_coordinator.consensus import consensus_mask
 from fedsdk_coordinator.coop import share_split
+from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.resume import StoredRound, check_identity, load_resume
 from fedsdk_coordinator.store import RoundPlan, Store
 from fedsdk_coordinator.strategies import strategy
@@ -141,6 +143,8 @@ class RoundConfig:
     dp_epsilon: float = 0.0
     dp_clip: float = 1.0
     report_timeout_s: float = 30.0
+    heartbeat_s: float = 30.0  # the retained status is published again this often (devices' idle bound)
+    farewell_s: float = 10.0  # after the last round, how long to wait for online devices to say goodbye
 
 
 @dataclass
@@ -163,13 +167,27 @@ class _RoundState:
     share_buffer: list[DecryptShare] = field(default_factory=list)  # shares held for the bundle (coop.py)
     share_flushed: bool = False  # the bundle went out: later shares are relayed one by one
     share_timer: asyncio.TimerHandle | None = None
+    gone: set[str] = field(default_factory=set)  # participants that said goodbye without replying/reporting
+    applied: set[str] = field(default_factory=set)  # repliers whose hello says they hold this round's model
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reported: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def waiting_for(self) -> list[str]:
         """Participants without a reply, while the round still takes replies."""
-        return sorted(self.participants - set(self.replies)) if self.collecting else []
+        return sorted(self.participants - set(self.replies) - self.gone) if self.collecting else []
+
+    def check_done(self) -> None:
+        """Every participant that has not left has replied: the round need not wait for its deadline."""
+        if self.participants - self.gone <= set(self.replies):
+            self.done.set()
+
+    def check_reported(self) -> None:
+        """Every device whose update was aggregated and that has not left holds the round's model: it
+        reported, or (after a coordinator restart) its hello says it applied this round."""
+        valid = {c for c, r in self.replies.items() if not isinstance(r, Error)}
+        if valid - self.gone <= set(self.reports) | self.applied:
+            self.reported.set()
 
     @classmethod
     def restored(cls, stored: StoredRound, phase: str = "train") -> _RoundState:
@@ -177,8 +195,7 @@ class _RoundState:
         rnd = cls(p.round_id, p.cluster_id, set(p.participants), time.monotonic(), dict(p.budgets), phase)
         for cid, (msg, env) in stored.replies.items():
             rnd.replies[cid], rnd.raw[cid] = msg, env
-        if rnd.participants <= set(rnd.replies):
-            rnd.done.set()
+        rnd.check_done()
         return rnd
 
 
@@ -254,8 +271,10 @@ class RoundEngine:
         self.executor = executor
         self.epoch = uuid.uuid4().hex[:12]
         self.rejected = RejectCounter()
+        self.failures = RejectCounter()  # Error replies of devices, by code
         self.late = 0
         self.state = "waiting"
+        self.detail = ""  # why the federation waits or failed (the status's detail)
         self.finished = asyncio.Event()
         self.online: dict[str, Hello] = {}
         self.measured: dict[str, _Measured] = {}
@@ -264,6 +283,10 @@ class RoundEngine:
         self._sketches: dict[str, np.ndarray] = {}
         self._sketch_round: _RoundState | None = None
         self._joined = asyncio.Event()
+        self._presence = asyncio.Event()  # set on every hello and goodbye
+        # Devices online when the previous instance stopped: the first round planned after a restart waits
+        # for them (up to a deadline) instead of starting with whoever said hello first.
+        self._expected: set[str] = set()
         self._need = max(config.min_clients, config.start_clients)
         self._limits = Limits(max_message_bytes=config.max_message_bytes)
         self._rounds: dict[int, _RoundState] = {}
@@ -304,6 +327,10 @@ class RoundEngine:
             },
         )
         saved = load_resume(store, plaintext=self.he is None, clustered=self.clustered, limits=self._limits)
+        # A new instance knows no device to be online until it says hello (the dashboard and /api/clients
+        # read the flag); those the store had online are expected back.
+        self._expected = {r.client_id for r in store.clients() if r.online} if saved is not None else set()
+        store.set_all_offline()
         if saved is None:
             store.save_model(0, 0, self.initial)
             store.set_meta("completed_round", "0")
@@ -357,7 +384,7 @@ class RoundEngine:
                     "sender_mismatch", f"message from {sender!r} on the topic of {client_id!r}"
                 )
             if isinstance(msg, Bye):
-                self._on_bye(client_id)
+                self._on_bye(client_id, msg)
             elif isinstance(msg, Hello):
                 self._on_hello(client_id, msg)
             elif isinstance(msg, Sketch):
@@ -390,6 +417,13 @@ class RoundEngine:
         model_round = facts.get("model_round")  # the SDK says whether it still holds a model
         if isinstance(model_round, int | float) and not isinstance(model_round, bool):
             self._set_holder(client_id, model_round >= 0)
+            for rnd in self._rounds.values():  # it applied a round whose report a restart lost
+                if model_round >= rnd.round_id and client_id in rnd.replies:
+                    rnd.applied.add(client_id)
+                    rnd.check_reported()
+        for open_rnd in (self._sketch_round, *self._rounds.values()):
+            if open_rnd is not None:
+                open_rnd.gone.discard(client_id)  # back in the round it left
         mhz, cores = facts.get("cpu_mhz"), facts.get("cores")
         if isinstance(mhz, int | float) and isinstance(cores, int | float) and mhz > 0 and cores > 0:
             m.compute = float(mhz) / 1000.0 * float(cores)
@@ -399,6 +433,7 @@ class RoundEngine:
         )  # fmt: skip
         if len(self.online) >= self._need:
             self._joined.set()
+        self._presence.set()
         self._retask(client_id)
 
     def _retask(self, client_id: str) -> None:
@@ -425,11 +460,28 @@ class RoundEngine:
             (self._has_model.add if holds else self._has_model.discard)(client_id)
             self.store.set_holder(client_id, holds)
 
-    def _on_bye(self, client_id: str) -> None:
+    def _on_bye(self, client_id: str, msg: Bye) -> None:
         if self.online.pop(client_id, None) is not None:
             self._set_holder(client_id, False)
             self.store.set_online(client_id, False)
             log.info("device %s left (%d online)", client_id, len(self.online))
+        self._presence.set()
+        if msg.reason == BYE_LOST:
+            # The broker's will for a broken connection (also sent when the broker itself shuts down): the
+            # device may be back in a moment, so its rounds keep waiting for it until their deadline.
+            return
+        # A goodbye the device said itself (stopped, Ctrl-C, SIGTERM): no round waits for it any more.
+        self._expected.discard(client_id)
+        for rnd in (self._sketch_round, *self._rounds.values()):
+            if rnd is None or client_id not in rnd.participants or client_id in rnd.gone:
+                continue
+            if rnd.collecting and client_id not in rnd.replies:
+                log.info(
+                    "round %d cluster %d: %s left without replying", rnd.round_id, rnd.cluster_id, client_id
+                )
+            rnd.gone.add(client_id)
+            rnd.check_done()
+            rnd.check_reported()
 
     def _on_sketch(self, client_id: str, msg: Sketch, payload: bytes) -> None:
         vec = np.asarray(msg.vector, dtype=np.float64)
@@ -446,8 +498,7 @@ class RoundEngine:
             self.store.save_reply(0, 0, client_id, payload)
             self._sketches[client_id] = vec
             sk.replies[client_id], sk.raw[client_id] = msg, payload
-            if sk.participants <= set(sk.replies):
-                sk.done.set()
+            sk.check_done()
         elif client_id in self.clusters and self.clustering is not None:
             self.resent += 1  # a sketch re-sent after clustering: the device already has its cluster
         elif self.clustering is not None:
@@ -465,6 +516,9 @@ class RoundEngine:
             raise ValidationError("stale_round", f"report for round {msg.round_id} outside that round")
         self._seen(client_id)
         rnd.reports[client_id] = msg
+        rnd.check_reported()
+        if len(rnd.reports) == 1:
+            reached("report_stored", rnd.round_id)
         self.store.merge_result_metrics(msg.round_id, msg.cluster_id, client_id, dict(msg.metrics))
         m = self.measured.setdefault(client_id, _Measured())
         reply = rnd.replies[client_id]
@@ -475,8 +529,6 @@ class RoundEngine:
         decrypted = msg.metrics.get("decrypted_packs", float(rnd.union_packs))  # fewer with coop.py
         if self.he is not None and self.config.key_mode == "shared" and decrypted > 0 and dec_s > 0:
             m.blend("decrypt_values_per_s", decrypted * self.he.pack_size / dec_s)
-        if set(rnd.reports) >= {c for c, r in rnd.replies.items() if not isinstance(r, Error)}:
-            rnd.reported.set()
 
     def _on_share(self, client_id: str, msg: DecryptShare) -> None:
         """Relay a device's sealed decryption share to its cluster, unopened (coop.py)."""
@@ -516,6 +568,10 @@ class RoundEngine:
         raise ValidationError("duplicate", f"second reply from {client_id} in round {rnd.round_id}")
 
     def _on_reply(self, client_id: str, msg: Update | EncryptedUpdate | Error, payload: bytes) -> None:
+        sk = self._sketch_round
+        if isinstance(msg, Error) and msg.round_id == 0 and sk is not None and client_id in sk.participants:
+            self._on_sketch_error(sk, client_id, msg, payload)
+            return
         cluster_id = msg.cluster_id if not isinstance(msg, Error) else self.clusters.get(client_id, 0)
         rnd = self._rounds.get(cluster_id)
         if rnd is not None and msg.round_id == rnd.round_id and client_id in rnd.replies:
@@ -546,10 +602,38 @@ class RoundEngine:
         self.store.save_reply(rnd.round_id, rnd.cluster_id, client_id, payload, result=result)
         rnd.replies[client_id], rnd.raw[client_id] = msg, payload
         self._seen(client_id)
-        if not isinstance(msg, Error):
+        if isinstance(msg, Error):
+            self._failed(rnd.round_id, rnd.cluster_id, client_id, msg)
+        else:
             self._measure(client_id, msg)
-        if rnd.participants <= set(rnd.replies):
-            rnd.done.set()
+        rnd.check_done()
+        if rnd.done.is_set():
+            reached("all_stored", rnd.round_id)
+        elif len(rnd.replies) == 1:
+            reached("reply_stored", rnd.round_id)
+
+    def _on_sketch_error(self, sk: _RoundState, client_id: str, msg: Error, payload: bytes) -> None:
+        """A device could not make its sensitivity sketch: the sketch round stops waiting for it."""
+        if client_id in sk.replies:
+            self._duplicate(sk, client_id, payload)
+            return
+        self.store.save_reply(0, 0, client_id, payload)
+        sk.replies[client_id], sk.raw[client_id] = msg, payload
+        self._seen(client_id)
+        self._failed(0, 0, client_id, msg)
+        sk.check_done()
+
+    def _failed(self, round_id: int, cluster_id: int, client_id: str, msg: Error) -> None:
+        """Log and count a device's failure in a round (its Error reply)."""
+        self.failures.add(msg.code)
+        log.warning(
+            "round %d cluster %d: device %s failed (%s): %s",
+            round_id,
+            cluster_id,
+            client_id,
+            msg.code,
+            msg.reason,
+        )
 
     def _check_encrypted(self, msg: EncryptedUpdate) -> None:
         he = self.he
@@ -647,7 +731,10 @@ class RoundEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def status_message(self, state: str | None = None) -> bytes:
-        return encode(Status(state=state or self.state, epoch=self.epoch, round_id=self.completed_round))
+        detail = self.detail[:400] if state is None else ""
+        return encode(
+            Status(state=state or self.state, epoch=self.epoch, round_id=self.completed_round, detail=detail)
+        )
 
     async def _set_state(self, state: str) -> None:
         self.state = state
@@ -684,6 +771,7 @@ class RoundEngine:
             "dp_epsilon": c.dp_epsilon,
             "dp_clip": c.dp_clip,
             "key_mode": c.key_mode,
+            "rounds": c.rounds,  # the federation's last round (devices stop waiting once they applied it)
         }
         if phase == "train" and cluster_id in self._consensus:
             config["mask_consensus"] = self._consensus[cluster_id]
@@ -766,39 +854,118 @@ class RoundEngine:
     # -- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
         """Run the remaining rounds. Returns when the federation is finished or failed."""
-        outbox = asyncio.create_task(self._drain_outbox(), name="coordinator-outbox")
+        helpers = [
+            asyncio.create_task(self._drain_outbox(), name="coordinator-outbox"),
+            asyncio.create_task(self._heartbeat(), name="coordinator-heartbeat"),
+        ]
         try:
             await self._run()
         finally:
-            if not outbox.get_loop().is_closed():  # a coroutine closed after its loop: nothing to stop
-                outbox.cancel()
-                await asyncio.gather(outbox, return_exceptions=True)
+            if not helpers[0].get_loop().is_closed():  # a coroutine closed after its loop: nothing to stop
+                for t in helpers:
+                    t.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        """Publish the retained status again every ``heartbeat_s``: a device that hears nothing from the
+        coordinator for much longer knows it is gone (FedClient's idle bound)."""
+        while self.config.heartbeat_s > 0:
+            await asyncio.sleep(self.config.heartbeat_s)
+            if self.state in ("online", "running"):
+                self._post(T.status(self.config.federation), self.status_message(), retain=True)
 
     async def _run(self) -> None:
         c = self.config
         await self._set_state("online")
         if not await _wait(self._joined, c.join_timeout_s):
-            log.error(
-                "only %d of %d devices joined within %.0f s", len(self.online), self._need, c.join_timeout_s
-            )
-            return await self._end("failed")
+            why = f"only {len(self.online)} of {self._need} devices joined within {c.join_timeout_s:.0f} s"
+            log.error("%s", why)
+            return await self._end("failed", why)
         await self._set_state("running")
-        if self.clustered and self.clustering is None and not await self._sketch_phase():
-            return await self._end("failed")
+        while self.clustered and self.clustering is None:
+            why = await self._sketch_phase()
+            if why and not await self._wait_to_retry(0, why):
+                return await self._end("failed", why)
         while self.completed_round < c.rounds:
             round_id = self.completed_round + 1
             rounds = [r for r in self._resumed if r.round_id == round_id]
             self._resumed.clear()
             if not rounds:
                 if not await self._wait_quorum(round_id):
-                    return await self._end("failed")
+                    why = (
+                        f"round {round_id}: fewer than {c.min_clients} devices online "
+                        f"for {c.join_timeout_s:.0f} s"
+                    )
+                    return await self._end("failed", why)
+                await self._wait_rejoin(round_id)
                 rounds = await self._plan(round_id)
             results = await asyncio.gather(*(self._cluster_round(r) for r in rounds))
             if not any(results):
-                return await self._end("failed")
+                why = f"round {round_id} failed: " + "; ".join(self._failure_summary(r) for r in rounds)
+                if not await self._wait_to_retry(round_id, why):
+                    return await self._end("failed", why)
+                continue
             self.completed_round = round_id
             self.store.complete_round(round_id, {k: m.as_dict() for k, m in self.measured.items()})
+            reached("round_completed", round_id)
         await self._end("finished")
+
+    def _failure_summary(self, rnd: _RoundState) -> str:
+        """Why a cluster's round got too few valid updates, in one line (for the log and the status)."""
+        valid = [r for r in rnd.replies.values() if not isinstance(r, Error)]
+        errors = sorted((cid, r) for cid, r in rnd.replies.items() if isinstance(r, Error))
+        quorum = min(self.config.min_clients, len(rnd.participants))
+        out = f"{len(valid)} valid updates of {len(rnd.participants)} devices, quorum {quorum}"
+        if errors:
+            cid, err = errors[0]
+            out += f"; {len(errors)} device errors, e.g. {cid}: {err.code}: {err.reason[:160]}"
+        missing = sorted(rnd.participants - set(rnd.replies))
+        if missing:
+            out += f"; no reply from {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+        return out
+
+    async def _wait_to_retry(self, round_id: int, why: str) -> bool:
+        """A round (or the sketch round) got too few valid updates. Policy: the federation does not end; the
+        round runs again, with a new plan, as soon as a device joins or comes back, and the federation
+        fails only if none does within ``join_timeout_s``. Devices that answered the failed attempt answer
+        the same task again with the same reply (they do not train twice on one round)."""
+        c = self.config
+        self.store.drop_replies(round_id)
+        self._rounds = {k: r for k, r in self._rounds.items() if r.round_id != round_id}
+        self.detail = f"{why}; waiting up to {c.join_timeout_s:.0f} s for a device to join or return"
+        log.error("%s", self.detail)
+        await self._set_state("running")
+        self._presence.clear()
+        if not await _wait(self._presence, c.join_timeout_s):
+            return False
+        await asyncio.sleep(min(1.0, c.deadline_s / 10))  # devices joining together join one attempt
+        log.info("round %d runs again with %d devices online", round_id, len(self.online))
+        self.detail = ""
+        await self._set_state("running")
+        return True
+
+    async def _wait_rejoin(self, round_id: int) -> None:
+        """After a restart, the first round planned waits (up to one deadline) for the devices that were
+        online when the previous instance stopped: they say hello to the new epoch within moments, and a
+        round planned at the first quorum would leave the others out of it."""
+        c = self.config
+        missing = self._expected - set(self.online)
+        if missing:
+            log.info(
+                "round %d waits up to %.0f s for %d devices online before the restart",
+                round_id, c.deadline_s, len(missing),
+            )  # fmt: skip
+            end = time.monotonic() + c.deadline_s
+            while self._expected - set(self.online) and time.monotonic() < end:
+                self._presence.clear()
+                await _wait(self._presence, end - time.monotonic())
+            missing = self._expected - set(self.online)
+            if missing:
+                log.warning(
+                    "round %d starts without %s: online before the restart, not back within %.0f s",
+                    round_id, ", ".join(sorted(missing)), c.deadline_s,
+                )  # fmt: skip
+        self._expected.clear()
 
     async def _plan(self, round_id: int) -> list[_RoundState]:
         """Group the online devices by cluster, fix each one's budget, and persist the plan."""
@@ -823,8 +990,15 @@ class RoundEngine:
             self._rounds[r.cluster_id] = r
         return rounds
 
-    async def _end(self, state: str) -> None:
+    async def _end(self, state: str, detail: str = "") -> None:
+        self.detail = detail
         await self._set_state(state)
+        # Devices leave when they see the final status; a coordinator that stops at once (--exit-when-done,
+        # and the embedded broker with it) could take the status down before it reached them.
+        end = time.monotonic() + self.config.farewell_s
+        while self.online and time.monotonic() < end:
+            self._presence.clear()
+            await _wait(self._presence, end - time.monotonic())
         self.finished.set()
 
     async def _wait_quorum(self, round_id: int) -> bool:
@@ -837,11 +1011,13 @@ class RoundEngine:
         self._need = c.min_clients  # after the first round, the quorum is enough
         return True
 
-    async def _sketch_phase(self) -> bool:
-        """Round 0: sketches from every online device, then affinity propagation (paper 000 §3.1)."""
+    async def _sketch_phase(self) -> str:
+        """Round 0: sketches from every online device, then affinity propagation (paper 000 §3.1). Returns
+        why it failed, or an empty string."""
         c = self.config
         sk = self._sketch_round
         if sk is None:
+            await self._wait_rejoin(0)
             sk = _RoundState(0, 0, set(self.online), time.monotonic(), phase="sketch")
             self.store.plan_round([RoundPlan(0, 0, tuple(sorted(sk.participants)), {})])
             self._sketch_round = sk
@@ -853,8 +1029,12 @@ class RoundEngine:
         sk.collecting = False
         self._sketch_round = None
         if len(self._sketches) < c.min_clients:
-            log.error("sketch round failed: %d sketches, quorum %d", len(self._sketches), c.min_clients)
-            return False
+            why = f"sketch round failed: {len(self._sketches)} sketches, quorum {c.min_clients}"
+            errors = sorted((cid, r) for cid, r in sk.replies.items() if isinstance(r, Error))
+            if errors:
+                why += f"; {len(errors)} device errors, e.g. {errors[0][0]}: {errors[0][1].reason[:160]}"
+            self._sketches.clear()
+            return why
         loop = asyncio.get_running_loop()
         sketches = dict(self._sketches)
         self.clustering = await loop.run_in_executor(None, lambda: cluster_sketches(sketches, seed=c.seed))
@@ -865,14 +1045,24 @@ class RoundEngine:
             "clustered %d devices into %d clusters (silhouette %s)",
             len(sketches), self.clustering.n_clusters, "n/a" if sil is None else f"{sil:.3f}",
         )  # fmt: skip
-        return True
+        return ""
 
     async def _resume_aggregated(self, rnd: _RoundState, envelope: bytes) -> bool:
         """A round whose aggregate the previous instance stored (and may have published): publish it again
-        (devices apply a round once) and close the round."""
+        (devices apply a round once) and close the round once every device whose update it holds has the
+        model (reported, or said in its hello that it applied the round), as an uninterrupted round does:
+        the next round's tasks must find every device back and holding this round's model."""
         rnd.collecting = False
         log.info("round %d cluster %d was aggregated before the restart", rnd.round_id, rnd.cluster_id)
         await self._publish_aggregate(rnd.cluster_id, envelope, encrypted=self.he is not None)
+        rnd.check_reported()
+        if not await _wait(rnd.reported, self.config.report_timeout_s):
+            unconfirmed = {c for c, r in rnd.replies.items() if not isinstance(r, Error)}
+            log.warning(
+                "round %d cluster %d: %d devices did not confirm the aggregate within %.0f s",
+                rnd.round_id, rnd.cluster_id, len(unconfirmed - set(rnd.reports) - rnd.applied),
+                self.config.report_timeout_s,
+            )  # fmt: skip
         if self.store.round_state(rnd.round_id, rnd.cluster_id) != "done":
             valid = [r for r in rnd.replies.values() if not isinstance(r, Error)]
             self.store.finish_round(
@@ -892,6 +1082,7 @@ class RoundEngine:
         if stored is not None:
             return await self._resume_aggregated(rnd, stored)
         await self._send_tasks(rnd)
+        reached("tasks_sent", round_id)
         quorum = min(c.min_clients, len(rnd.participants))
         valid = await self._collect(rnd, quorum)
         base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
@@ -955,8 +1146,10 @@ class RoundEngine:
             )
             envelope = encode(agg)
             self.store.save_aggregate(rnd.cluster_id, rnd.round_id, envelope, new)  # before it is published
+            reached("aggregate_stored", rnd.round_id)
             self.models[rnd.cluster_id] = new
             await self._publish_aggregate(rnd.cluster_id, envelope, encrypted=False)
+            reached("aggregate_published", rnd.round_id)
             return metrics, result.num_clients, result.total_samples
         he = self.he
         ordered = sorted(valid, key=lambda u: u.client_id)
@@ -986,6 +1179,7 @@ class RoundEngine:
         )
         envelope = encode(msg)
         self.store.save_encrypted(rnd.cluster_id, rnd.round_id, envelope)  # before it is published
+        reached("aggregate_stored", rnd.round_id)
         if rnd.shares:  # who will share a part of this union, and when to stop waiting for them (coop.py)
             for cid, (lo, hi) in rnd.shares.items():
                 a, b = part_ranks(lo, hi, rnd.union_packs)
@@ -993,6 +1187,7 @@ class RoundEngine:
                     rnd.share_expect.add(cid)
             rnd.share_timer = loop.call_later(self.config.share_wait_s / 2, self._flush_shares, rnd)
         await self._publish_aggregate(rnd.cluster_id, envelope, encrypted=True)
+        reached("aggregate_published", rnd.round_id)
         return metrics, len(ordered), total
 
     async def _collect(self, rnd: _RoundState, quorum: int) -> list[Any]:
@@ -1028,6 +1223,8 @@ class RoundEngine:
             "clusters": dict(self.clusters),
             "silhouette": None if self.clustering is None else self.clustering.silhouette,
             "rejected": self.rejected.as_dict(),
+            "device_failures": self.failures.as_dict(),
+            "detail": self.detail,
             "late": self.late,
             "resent": self.resent,
         }

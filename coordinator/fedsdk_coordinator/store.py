@@ -233,6 +233,15 @@ class Store:
             (int(online), time.time(), client_id),
         )
 
+    def set_all_offline(self) -> None:
+        """Mark every known device offline (a new coordinator instance: devices are online once they say
+        hello to it)."""
+        self.db.execute("UPDATE clients SET online=0 WHERE online=1")
+
+    def drop_replies(self, round_id: int) -> None:
+        """Forget the stored replies of a round that failed (it runs again with a new plan)."""
+        self.db.execute("DELETE FROM replies WHERE round_id=?", (round_id,))
+
     def set_cluster(self, client_id: str, cluster_id: int) -> None:
         with self._tx() as db:
             self._assign(db, client_id, cluster_id)

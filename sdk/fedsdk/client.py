@@ -74,6 +74,8 @@ from fedsdk.errors import (
 from fedsdk.model import OnnxModel, OnnxTrainer, Trainer, TrainResult
 from fedsdk.profile import calibrate_he, device_facts
 from fedsdk.protocol import (
+    BYE_LEAVING,
+    BYE_LOST,
     Aggregate,
     BaseMessage,
     Bye,
@@ -122,6 +124,7 @@ class ClientSummary:
     rejected: dict[str, int] = field(default_factory=dict)
     resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
     send_failures: int = 0  # uploads that failed for good (the coordinator asks again when it misses them)
+    reason: str = ""  # why the run ended as it did, or the last failure (a task or an aggregate refused)
 
 
 @dataclass
@@ -188,6 +191,8 @@ class FedClient:
         self._answer: _Answer | None = None
         self._model_round = -1  # the round of the model this device holds (-1: none yet)
         self._reconnected = asyncio.Event()
+        self._heard = time.monotonic()  # when the coordinator was last heard from (any message)
+        self._last_round_at: float | None = None  # when the federation's last round was applied
         self._pending: dict[int, _Pending] = {}
         self._applying: set[asyncio.Task[None]] = set()
         self._sealer: ShareSealer | None = None
@@ -199,7 +204,7 @@ class FedClient:
         self.weights: list[np.ndarray] | None = None
         self.rejected = RejectCounter()
         self.summary = ClientSummary(client_id)
-        will_payload = encode(Bye(client_id=client_id, reason="connection lost"))
+        will_payload = encode(Bye(client_id=client_id, reason=BYE_LOST))
         self._transport = MqttTransport.from_url(
             broker_url,
             client_id=client_id,
@@ -236,7 +241,7 @@ class FedClient:
     async def __aexit__(self, *exc: object) -> None:
         if self._state == "open":
             try:
-                bye = encode(Bye(client_id=self.client_id, reason="leaving"))
+                bye = encode(Bye(client_id=self.client_id, reason=BYE_LEAVING))
                 await self._transport.publish(T.up(self.federation, self.client_id, T.BYE), bye, timeout=2.0)
             except FedError:
                 pass
@@ -246,24 +251,63 @@ class FedClient:
         await self._transport.close()
 
     # -- the loop -----------------------------------------------------------------------------
-    async def run(self, *, timeout: float | None = None) -> ClientSummary:
-        """Take part in rounds until the coordinator finishes (or ``timeout`` seconds pass)."""
+    async def run(
+        self, *, timeout: float | None = None, idle_timeout: float | None = 300.0, final_wait: float = 30.0
+    ) -> ClientSummary:
+        """Take part in rounds until the coordinator finishes, and return the summary.
+
+        The run also ends, whatever the coordinator does:
+
+        * after ``timeout`` seconds (state ``timeout``; no bound by default);
+        * when nothing is heard from the coordinator for ``idle_timeout`` seconds (state
+          ``coordinator_lost``): a running coordinator re-publishes its status every 30 s, so silence means
+          it, or the way to it, is gone (None: wait forever);
+        * ``final_wait`` seconds after the federation's last round was applied when the coordinator's
+          ``finished`` has not arrived (state ``finished``): it may have stopped, and its broker with it,
+          before the status reached this device.
+        """
         if self._state != "open":
             raise StateError("FedClient.run() needs an open client: use 'async with FedClient(...)'")
+        self._heard = time.monotonic()
         rehello = asyncio.create_task(
             self._hello_after_reconnects(), name=f"fedclient-rehello-{self.client_id}"
         )
+        watch = asyncio.create_task(
+            self._watch(idle_timeout, final_wait), name=f"fedclient-watch-{self.client_id}"
+        )
+        loop_task = asyncio.create_task(self._loop(), name=f"fedclient-loop-{self.client_id}")
         try:
-            await asyncio.wait_for(self._loop(), timeout)
-        except asyncio.TimeoutError:
-            self.summary.state = "timeout"
+            done, _ = await asyncio.wait(
+                {loop_task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if loop_task in done:
+                loop_task.result()
+            elif watch in done:
+                self.summary.state, self.summary.reason = watch.result()
+                log.warning("%s", self.summary.reason)
+            else:
+                self.summary.state, self.summary.reason = "timeout", f"no end within {timeout} s"
         finally:
-            rehello.cancel()
-            for t in self._applying:
+            for t in (loop_task, rehello, watch, *self._applying):
                 t.cancel()
-            await asyncio.gather(rehello, *self._applying, return_exceptions=True)
+            await asyncio.gather(loop_task, rehello, watch, *self._applying, return_exceptions=True)
         self.summary.rejected = self.rejected.as_dict()
         return self.summary
+
+    async def _watch(self, idle_timeout: float | None, final_wait: float) -> tuple[str, str]:
+        """Returns (state, reason) once the coordinator has been silent too long, or the last round is
+        applied and ``finished`` did not come."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            if self._last_round_at is not None and now - self._last_round_at > final_wait:
+                n = len(self.summary.applied_rounds)
+                return "finished", (
+                    f"the federation's last round was applied ({n} rounds); "
+                    f"the coordinator's 'finished' did not arrive within {final_wait:.0f} s"
+                )
+            if idle_timeout is not None and now - self._heard > idle_timeout:
+                return "coordinator_lost", f"nothing heard from the coordinator for {idle_timeout:.0f} s"
 
     async def _hello_after_reconnects(self) -> None:
         """Say hello again after each reconnect of our link, once a coordinator has been seen."""
@@ -289,6 +333,7 @@ class FedClient:
                     self.rejected.add(exc.code)
                     log.warning("rejected message on %s: %s", msg.topic, exc.reason)
                     continue
+                self._heard = time.monotonic()
                 try:
                     if isinstance(decoded, Status):
                         if await self._on_status(decoded):
@@ -350,8 +395,12 @@ class FedClient:
     async def _on_status(self, status: Status) -> bool:
         if status.state in ("finished", "failed"):
             self.summary.state = status.state
+            if status.detail:
+                self.summary.reason = status.detail
             log.info("coordinator reports %s after round %d", status.state, status.round_id)
             return True
+        if status.detail:
+            log.warning("coordinator: %s", status.detail)
         if status.state in ("online", "running") and status.epoch != self._hello_epoch:
             await self._say_hello()
             self._hello_epoch = status.epoch
@@ -424,6 +473,7 @@ class FedClient:
             msg, record = await loop.run_in_executor(None, self._train_and_protect, task, base)
         except (FedError, ValueError) as exc:
             log.error("round %d: %s", task.round_id, exc)
+            self.summary.reason = f"round {task.round_id}: {exc}"
             err = Error(
                 client_id=self.client_id, round_id=task.round_id, code="device", reason=str(exc)[:500]
             )
@@ -833,11 +883,15 @@ class FedClient:
                 getattr(exc, "code", "crypto" if isinstance(exc, CryptoError) else "bad_aggregate")
             )
             log.warning("rejected aggregate of round %d: %s", agg.round_id, exc)
+            self.summary.reason = f"round {agg.round_id}: aggregate refused: {exc}"
             return
         metrics.update(dec)
         metrics.setdefault("decrypt_s", 0.0)
         self.summary.applied_rounds.append(agg.round_id)
         self._model_round = agg.round_id
+        last = pending.task.config.get("rounds")
+        if isinstance(last, int | float) and agg.round_id >= last:
+            self._last_round_at = time.monotonic()
         self._pending = {r: p for r, p in self._pending.items() if r > agg.round_id}
         if "test_accuracy" in metrics:
             self.summary.accuracy[agg.round_id] = metrics["test_accuracy"]

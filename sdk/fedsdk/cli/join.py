@@ -2,14 +2,22 @@
 
 With ``--kit DIR`` (a device kit from ``fedsdk provision``) the broker URL, client id, federation,
 certificates and HE key come from the kit; options given on the command line still win.
+
+Exit codes: 0 when the federation finished and this device applied at least one round's aggregate; 1 when
+it failed, the coordinator went silent (``--idle-timeout``), ``--timeout`` passed, or the device applied
+no aggregate (the reason is printed); 130 on SIGINT or SIGTERM, after the device said goodbye, so the
+coordinator's round does not wait for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import socket
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -25,6 +33,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--client-id", help="defaults to the kit's id, else the host name")
     p.add_argument("--federation", help="defaults to the kit's federation, else 'default'")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=300.0,
+        help="give up when nothing is heard from the coordinator for this many seconds (0: never)",
+    )
     p.add_argument("--threads", type=int, default=1, help="onnxruntime threads for training")
     p.add_argument("--json", metavar="PATH", help="write the device's run summary here")
     p.add_argument("--he", metavar="DIR", help="the federation's HE key folder (he.json, he_public.bin)")
@@ -64,7 +78,22 @@ def run(args: argparse.Namespace) -> int:
         eval_data = (d.x_test, d.y_test)
     he = load_he(args.he) if args.he else (kit.load_backend() if kit and kit.he_backend else None)
 
+    interrupted: list[int] = []
+
     async def go() -> Any:
+        # SIGINT and SIGTERM cancel the run: leaving ``async with`` says goodbye, which the coordinator's
+        # round acts on (it no longer waits for this device).
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        assert main is not None
+
+        def stop(sig: int) -> None:
+            interrupted.append(sig)
+            main.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not on Windows' loop
+                loop.add_signal_handler(sig, stop, int(sig))
         async with FedClient(
             broker,
             client_id=client_id,
@@ -77,11 +106,25 @@ def run(args: argparse.Namespace) -> int:
             he=he,
             pool_capacity=args.pool,
         ) as client:
-            return await client.run(timeout=args.timeout)
+            return await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)
 
-    summary = asyncio.run(go())
+    try:
+        summary = asyncio.run(go())
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        print(f"{client_id}: interrupted (signal {interrupted[0]}); goodbye said", file=sys.stderr)
+        return 130
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(asdict(summary), f, indent=2)
-    print(f"{client_id}: {summary.state} after {len(summary.rounds)} rounds")
-    return 0 if summary.state == "finished" else 1
+    applied = len(summary.applied_rounds)
+    ok = summary.state == "finished" and applied > 0
+    line = f"{client_id}: {summary.state} after {applied} rounds applied ({len(summary.rounds)} updates sent)"
+    if not ok:
+        reason = summary.reason or (
+            "this device applied no aggregate" if summary.state == "finished" else summary.state
+        )
+        line += f": {reason}"
+    print(line, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1

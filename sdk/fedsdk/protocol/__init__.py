@@ -12,6 +12,8 @@ from fedsdk.protocol import topics
 from fedsdk.protocol.envelope import ENVELOPE_VERSION, MAGIC, Limits, decode, encode
 from fedsdk.protocol.fields import DTYPES, FLOAT_DTYPES, FrozenMap, Wire
 from fedsdk.protocol.messages import (
+    BYE_LEAVING,
+    BYE_LOST,
     SCHEMA_VERSION,
     STATUS_STATES,
     Aggregate,
@@ -46,6 +48,8 @@ from fedsdk.protocol.validate import (
 )
 
 __all__ = [
+    "BYE_LEAVING",
+    "BYE_LOST",
     "DTYPES",
     "ENVELOPE_VERSION",
     "FLOAT_DTYPES",

@@ -43,6 +43,8 @@ from fedsdk.protocol.fields import (
 from fedsdk.protocol.topics import MessageKind
 
 __all__ = [
+    "BYE_LEAVING",
+    "BYE_LOST",
     "MAX_ROUND",
     "MAX_SAMPLES",
     "SCHEMA_VERSION",
@@ -66,6 +68,9 @@ MAX_ROUND = 2**31 - 1  # round and cluster ids are in [0, 2**31)
 MAX_SAMPLES = 10**9
 MAX_REASON = 4096
 STATUS_STATES: frozenset[str] = frozenset({"online", "running", "finished", "failed", "offline"})
+# A Bye's reason: the goodbye a device says itself when it stops, and the one its MQTT will carries (the
+# broker publishes it for a broken connection, and when the broker itself shuts down).
+BYE_LEAVING, BYE_LOST = "leaving", "connection lost"
 
 _REGISTRY: dict[int, type[BaseMessage]] = {}
 _M = TypeVar("_M", bound="type[BaseMessage]")
