@@ -37,6 +37,7 @@ from typing import Any
 from fedsdk.mosquitto import HOST, find_mosquitto, free_port, terminate
 from fedsdk.mosquitto import accepting as _accepting
 from fedsdk.pki import DevPki
+from fedsdk.transport import MAX_PACKET_BYTES
 
 __all__ = [
     "AmqttBroker",
@@ -153,6 +154,7 @@ def _mosquitto_config(
         "log_type information",
         "connection_messages true",
         "set_tcp_nodelay true",  # as fedsdk.mosquitto and `fedsdk provision` write it
+        f"max_packet_size {MAX_PACKET_BYTES}",  # likewise
         f"listener {port} {HOST}",
     ]
     if os.geteuid() == 0:

@@ -22,10 +22,20 @@ With TLS it also enforces the fleet's ACL, the very text ``fedsdk provision`` wr
 :mod:`.broker_plugins`: identity = certificate CN = client id, publish/subscribe/delivery checked against
 the ACL, last-will topics checked at connect. ``insecure=True`` (no TLS, development only) has no
 identities and enforces nothing; the coordinator still checks that an update's sender matches its topic.
+
+**Message size.** amqtt has no packet size limit: it reads a PUBLISH payload of whatever length the fixed
+header announces into memory. Every connection's reader therefore refuses a single read longer than
+:func:`fedsdk.transport.max_frame_bytes` of ``max_message_bytes`` (the largest PUBLISH payload a fedsdk peer
+sends: a retained message is one frame holding the whole message). amqtt reads a PUBLISH payload in one
+read, after the topic and packet id, and every other field of any packet is at most 65,535 bytes long, so
+an oversized PUBLISH is refused from its header, before its payload is read: the connection is aborted, as
+mosquitto does with ``max_packet_size``, and the session ends as if the client had vanished (its Will is
+published).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import ssl
@@ -35,6 +45,7 @@ from typing import Any
 
 from fedsdk.errors import ConfigError, ConnectError
 from fedsdk.provision.mosquitto import render_acl
+from fedsdk.transport import MAX_MESSAGE_BYTES, max_frame_bytes
 from fedsdk_coordinator.acl import RevocationList, parse_acl
 
 __all__ = ["EmbeddedBroker", "EmbeddedBrokerConfig"]
@@ -52,6 +63,7 @@ class EmbeddedBrokerConfig:
     crl_file: str | None = None
     acl_file: str | None = None  # default: the fleet ACL rendered for the federation and key mode
     insecure: bool = False
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # the coordinator's largest accepted message
 
     @property
     def tls(self) -> bool:
@@ -91,8 +103,13 @@ _RESUMED_FROM_CONNECT = (
 )
 
 
+# Every MQTT string (topic, client id, will topic and message, user name, password) fits in 65,535 bytes.
+_MQTT_STRING_MAX = 65535
+
+
 def _make_broker_class() -> type[Any]:
     try:
+        from amqtt.adapters import ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter
         from amqtt.broker import Broker
         from amqtt.errors import MQTTError
         from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
@@ -101,11 +118,51 @@ def _make_broker_class() -> type[Any]:
             "the embedded broker needs the coordinator extra: pip install 'fedsdk[coordinator]'"
         ) from exc
 
+    class _BoundedReader(ReaderAdapter):
+        """A connection's reader that refuses any single read over ``limit`` bytes (module docstring).
+
+        A refused read aborts the connection and raises what a vanished peer raises
+        (``asyncio.IncompleteReadError``), and so does every read after it: amqtt then ends the session
+        without parsing what is left in the buffer.
+        """
+
+        def __init__(self, inner: Any, transport: asyncio.WriteTransport, limit: int, peer: Any) -> None:
+            self._inner, self._transport, self._limit, self._peer = inner, transport, limit, peer
+            self._refused = False
+
+        async def read(self, n: int = -1) -> bytes:
+            if not self._refused and 0 <= n <= self._limit:
+                data: bytes = await self._inner.read(n)
+                return data
+            if not self._refused:
+                self._refused = True
+                log.warning(
+                    "refused a %d-byte MQTT payload from %s (limit %d bytes): connection closed",
+                    n,
+                    self._peer,
+                    self._limit,
+                )
+                self._transport.abort()
+            raise asyncio.IncompleteReadError(b"", n if n >= 0 else None)
+
+        def feed_eof(self) -> None:
+            self._inner.feed_eof()
+
     class _StrictTlsBroker(Broker):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, max_payload_bytes: int, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             table: dict[str, Any] = self._subscriptions  # type: ignore[has-type]  # amqtt is untyped here
             self._subscriptions = _SnapshotDict(table)
+            self.max_payload_bytes = max_payload_bytes
+
+        async def stream_connected(
+            self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
+        ) -> None:
+            # amqtt 0.12's stream_connected, with the connection's reader bounded
+            limit = max(self.max_payload_bytes, _MQTT_STRING_MAX)
+            peer = writer.get_extra_info("peername")
+            bounded = _BoundedReader(StreamReaderAdapter(reader), writer.transport, limit, peer)
+            await self._client_connected(listener_name, bounded, StreamWriterAdapter(writer))
 
         async def _initialize_client_session(
             self, reader: Any, writer: Any, remote_address: str, remote_port: int
@@ -215,7 +272,9 @@ class EmbeddedBroker:
 
     async def start(self) -> None:
         cls = _make_broker_class()
-        self._broker = cls(self._amqtt_config())
+        self._broker = cls(
+            self._amqtt_config(), max_payload_bytes=max_frame_bytes(self.config.max_message_bytes)
+        )
         try:
             await self._broker.start()
         except Exception as exc:

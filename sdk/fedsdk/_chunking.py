@@ -31,6 +31,19 @@ reliable channel), so these are our decisions:
   the oldest incomplete message is evicted first, and an incomplete message that received nothing for
   ``incomplete_timeout`` seconds is dropped. Both count in ``dropped_incomplete``.
 * Bad input never raises: :meth:`Reassembler.feed` returns ``None`` and counts the rejection by reason.
+
+Size limits, all derived from :data:`MAX_MESSAGE_BYTES` (the largest message fedsdk accepts: the default
+``max_message_bytes`` of the transport, of the envelope decoder and of the coordinator):
+
+* :func:`max_frame_bytes`: the largest frame, hence the largest MQTT PUBLISH *payload* a fedsdk peer ever
+  sends. A retained message (status, aggregates) and the Will are one frame holding the whole message, so
+  this is ``max_message_bytes + HEADER_SIZE`` (67,108,906 bytes by default), not the chunk size.
+* :func:`max_packet_bytes`: the largest MQTT PUBLISH *packet* carrying such a frame on any legal topic:
+  fixed header (1 byte + at most 4 bytes of remaining length), topic length (2), topic (at most 65,535
+  bytes), packet id (2), frame: 67,174,450 bytes by default. Every broker configuration fedsdk writes sets
+  mosquitto's ``max_packet_size`` to it: mosquitto then disconnects a client as soon as a larger packet's
+  length arrives, before reading its payload. The embedded broker refuses a payload over
+  :func:`max_frame_bytes` the same way (``fedsdk_coordinator.broker``).
 """
 
 from __future__ import annotations
@@ -49,11 +62,15 @@ __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_MESSAGE_BYTES",
+    "MAX_PACKET_BYTES",
     "VERSION",
     "FrameHeader",
     "FrameRejected",
     "Reassembler",
     "SlotPool",
+    "max_frame_bytes",
+    "max_packet_bytes",
     "parse_frame",
     "split_payload",
 ]
@@ -65,6 +82,26 @@ VERSION = 1
 HEADER = struct.Struct(">4sBB16sIIIII")
 HEADER_SIZE = HEADER.size  # 42
 _U32_MAX = 2**32 - 1
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+# The largest MQTT PUBLISH header around a payload: type byte, remaining length (at most 4 bytes), topic
+# length, the longest topic MQTT allows, packet id.
+_PUBLISH_OVERHEAD = 1 + 4 + 2 + 65535 + 2
+
+
+def max_frame_bytes(max_message_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """The largest frame (MQTT PUBLISH payload) for messages of at most ``max_message_bytes``: a retained
+    message is a single frame holding the whole message."""
+    return max_message_bytes + HEADER_SIZE
+
+
+def max_packet_bytes(max_message_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """The largest MQTT PUBLISH packet carrying one frame of :func:`max_frame_bytes` on any legal topic
+    (mosquitto's ``max_packet_size``)."""
+    return max_frame_bytes(max_message_bytes) + _PUBLISH_OVERHEAD
+
+
+MAX_PACKET_BYTES = max_packet_bytes()  # 67,174,450
 
 
 class FrameRejected(Exception):

@@ -16,6 +16,9 @@ decisions (mosquitto.conf(5), mosquitto 2.0):
   ``max_inflight_messages 20`` (the default, matching the transport's flow-control window).
 * ``set_tcp_nodelay true``: Nagle's algorithm off on the broker's client sockets, as the transport does on
   its own (:mod:`fedsdk.transport`); otherwise a message to a device can wait for a delayed ACK (40 ms).
+* ``max_packet_size`` (:data:`fedsdk._chunking.MAX_PACKET_BYTES`): the largest PUBLISH that carries the
+  largest message the coordinator accepts, as ``fedsdk provision`` writes it; a larger packet disconnects
+  its sender before the broker reads the payload.
 * ``tls``: a TLS listener that requires a client certificate from the run's development CA, the
   certificate's CN becoming the MQTT username (as in production; no ACL file: the ACL is tested elsewhere,
   with the configuration ``fedsdk provision`` writes).
@@ -30,6 +33,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from fedsdk._chunking import MAX_PACKET_BYTES
 from fedsdk.errors import ConfigError, ConnectError
 from fedsdk.pki import DevPki
 
@@ -113,6 +117,7 @@ class LoopbackMosquitto:
             "max_inflight_messages 20",
             "max_connections -1",
             "set_tcp_nodelay true",
+            f"max_packet_size {MAX_PACKET_BYTES}",
             f"listener {port} {HOST}",
         ]
         if os.geteuid() == 0:

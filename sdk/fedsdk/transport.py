@@ -15,6 +15,8 @@ Decisions (no paper specifies the transport):
 * TLS is on by default; plain TCP needs ``insecure=True`` and logs a WARNING on every connect.
 * Every payload is framed and, above ``chunk_size``, chunked (see :mod:`fedsdk._chunking`). Retained
   messages are always sent as a single frame, because a broker retains only the last chunk of a topic.
+  So the largest MQTT payload is ``max_message_bytes`` + 42 (:func:`max_frame_bytes`), and the brokers
+  fedsdk configures refuse any PUBLISH larger than :func:`max_packet_bytes` before reading it.
 * Flow control: at most ``max_inflight`` chunks are unacknowledged at any time, across all concurrent
   publishes. mosquitto silently drops QoS 1 messages beyond ``max_queued_messages`` (1,000) per client, so
   a publisher must never blast.
@@ -63,7 +65,15 @@ from urllib.parse import urlsplit
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from fedsdk._chunking import Reassembler, SlotPool, split_payload
+from fedsdk._chunking import (
+    MAX_MESSAGE_BYTES,
+    MAX_PACKET_BYTES,
+    Reassembler,
+    SlotPool,
+    max_frame_bytes,
+    max_packet_bytes,
+    split_payload,
+)
 from fedsdk.errors import (
     ConfigError,
     ConnectError,
@@ -74,12 +84,16 @@ from fedsdk.errors import (
 )
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MAX_PACKET_BYTES",
     "BrokerAddress",
     "Message",
     "MqttTransport",
     "TlsConfig",
     "TokenBucket",
     "Will",
+    "max_frame_bytes",
+    "max_packet_bytes",
     "parse_broker_url",
 ]
 
@@ -295,7 +309,7 @@ class MqttTransport:
         clean_session: bool = True,
         chunk_size: int = 256 * 1024,
         max_inflight: int = 20,
-        max_message_bytes: int = 64 * 2**20,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         reconnect_min: float = 0.5,
         reconnect_max: float = 30.0,
         username: str | None = None,
@@ -409,6 +423,12 @@ class MqttTransport:
             out["rate_limit_wait_ms"] = round(1000 * self._bucket.waited_s)
         out |= {f"rejected.{code}": n for code, n in sorted(r.rejections.items())}
         return out
+
+    @property
+    def frame_rejections(self) -> dict[str, int]:
+        """Incoming frames refused before reassembly, by code (``short_frame``, ``bad_magic``,
+        ``too_large``, ``bad_crc``, ``bad_topic``, ...; see :mod:`fedsdk._chunking`), sorted by code."""
+        return dict(sorted(self._reassembler.rejections.items()))
 
     async def __aenter__(self) -> MqttTransport:
         await self.connect()

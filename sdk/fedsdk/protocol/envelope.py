@@ -38,6 +38,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from fedsdk._chunking import MAX_MESSAGE_BYTES
 from fedsdk.errors import ConfigError, ValidationError
 from fedsdk.protocol.fields import DTYPES, Wire
 from fedsdk.protocol.messages import SCHEMA_VERSION, BaseMessage, Message, message_class
@@ -62,7 +63,7 @@ class Limits:
     ``max_arrays`` counts arrays over all array fields of a message; ``max_array_elems`` bounds each array.
     """
 
-    max_message_bytes: int = 64 * 2**20
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     max_header_bytes: int = 256 * 1024
     max_arrays: int = 4096
     max_array_elems: int = 50_000_000

@@ -10,7 +10,12 @@ The two templates below are also shipped, byte for byte, as ``certs/mosquitto.co
 * ``acl_file`` with ``pattern`` lines (``%u`` = username = CN) for devices and ``user`` blocks for the two
   service identities ``coordinator`` and ``keyserver``. mosquitto grants an operation when any line of the
   client's user block or any pattern matches, and denies everything else;
-* persistence on (retained coordinator status and QoS 1 sessions survive a restart).
+* persistence on (retained coordinator status and QoS 1 sessions survive a restart);
+* ``max_packet_size`` derived from the largest message the coordinator accepts
+  (:func:`fedsdk._chunking.max_packet_bytes`, 67,174,450 bytes for 64 MiB messages): mosquitto then refuses
+  a larger PUBLISH from its length alone instead of buffering it (a device could otherwise make the broker
+  and the coordinator hold messages of hundreds of megabytes). ``message_size_limit`` would drop such a
+  message only after reading all of it, and acknowledge it to an MQTT 3.1.1 client as if delivered.
 
 Decisions beyond the brief (DESIGN.md, "Transport"):
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import os
 from string import Template
 
+from fedsdk._chunking import MAX_MESSAGE_BYTES, max_packet_bytes
 from fedsdk.errors import ConfigError
 from fedsdk.protocol.topics import validate_config_id
 
@@ -66,6 +72,12 @@ max_queued_messages 100000
 # Nagle's algorithm off on client sockets: fedsdk's messages are small and latency-bound, and with Nagle on
 # a publish can wait for a delayed ACK (40 ms on Linux) behind a PUBACK at every hop.
 set_tcp_nodelay true
+
+# The largest MQTT packet a client may send: one frame holding the largest message fedsdk accepts
+# (${MAX_MESSAGE_BYTES} bytes plus the 42-byte frame header; a retained message is never chunked) on the
+# longest topic MQTT allows. A client sending a larger packet is disconnected as soon as its length
+# arrives, before mosquitto reads (and buffers) the payload.
+max_packet_size ${MAX_PACKET_SIZE}
 
 log_dest stderr
 log_type error
@@ -136,10 +148,17 @@ def render_mosquitto_conf(
     persistence_dir: str | os.PathLike[str] = "/var/lib/mosquitto/",
     port: int = 8883,
     bind: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> str:
-    """``mosquitto.conf`` whose TLS files and ACL live in ``config_dir`` on the broker host."""
+    """``mosquitto.conf`` whose TLS files and ACL live in ``config_dir`` on the broker host.
+
+    ``max_message_bytes`` is the coordinator's largest accepted message; ``max_packet_size`` is derived
+    from it (:func:`fedsdk._chunking.max_packet_bytes`).
+    """
     if isinstance(port, bool) or not 0 < int(port) < 65536:
         raise ConfigError(f"broker port must be in 1..65535, got {port!r}")
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+        raise ConfigError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
     conf_dir = _plain_path(os.fspath(config_dir), "broker config_dir").rstrip("/") or ""
     persist = _plain_path(os.fspath(persistence_dir), "broker persistence_dir")
     if not persist.endswith("/"):
@@ -150,6 +169,8 @@ def render_mosquitto_conf(
         PERSISTENCE_DIR=persist,
         PORT=str(int(port)),
         BIND=f" {bind}" if bind else "",
+        MAX_MESSAGE_BYTES=str(max_message_bytes),
+        MAX_PACKET_SIZE=str(max_packet_bytes(max_message_bytes)),
     )
 
 
