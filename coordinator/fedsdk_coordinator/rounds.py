@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk import pipeline
+from fedsdk._chunking import MAX_MESSAGE_BYTES
 from fedsdk.coop import part_ranks
 from fedsdk.crypto import HEBackend, aggregate_contributions
 from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
@@ -121,7 +122,7 @@ class RoundConfig:
     epochs: int = 1
     weight_decay: float = 0.0
     seed: int = 0
-    max_message_bytes: int = 64 * 2**20
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # the brokers fedsdk configures refuse larger PUBLISHes
     strategy: str = "plaintext"
     clustering: bool | None = None  # None: the strategy's default
     key_mode: str = "shared"  # shared | keyserver
@@ -284,6 +285,8 @@ class RoundEngine:
         self._sketch_round: _RoundState | None = None
         self._joined = asyncio.Event()
         self._presence = asyncio.Event()  # set on every hello and goodbye
+        self._arrivals = 0  # hellos taken so far (a failed round runs again after a new one)
+        self._planned_at = 0  # ... as counted when the last round (or sketch round) was planned
         # Devices online when the previous instance stopped: the first round planned after a restart waits
         # for them (up to a deadline) instead of starting with whoever said hello first.
         self._expected: set[str] = set()
@@ -433,6 +436,7 @@ class RoundEngine:
         )  # fmt: skip
         if len(self.online) >= self._need:
             self._joined.set()
+        self._arrivals += 1
         self._presence.set()
         self._retask(client_id)
 
@@ -935,9 +939,12 @@ class RoundEngine:
         self.detail = f"{why}; waiting up to {c.join_timeout_s:.0f} s for a device to join or return"
         log.error("%s", self.detail)
         await self._set_state("running")
-        self._presence.clear()
-        if not await _wait(self._presence, c.join_timeout_s):
-            return False
+        end = time.monotonic() + c.join_timeout_s
+        while self._arrivals == self._planned_at:  # no hello since the failed attempt was planned
+            if time.monotonic() >= end:
+                return False
+            self._presence.clear()
+            await _wait(self._presence, end - time.monotonic())
         await asyncio.sleep(min(1.0, c.deadline_s / 10))  # devices joining together join one attempt
         log.info("round %d runs again with %d devices online", round_id, len(self.online))
         self.detail = ""
@@ -970,6 +977,7 @@ class RoundEngine:
     async def _plan(self, round_id: int) -> list[_RoundState]:
         """Group the online devices by cluster, fix each one's budget, and persist the plan."""
         c = self.config
+        self._planned_at = self._arrivals
         groups: dict[int, list[str]] = {}
         for cid in sorted(self.online):
             if self.clustered and cid not in self.clusters:
@@ -1018,6 +1026,7 @@ class RoundEngine:
         sk = self._sketch_round
         if sk is None:
             await self._wait_rejoin(0)
+            self._planned_at = self._arrivals
             sk = _RoundState(0, 0, set(self.online), time.monotonic(), phase="sketch")
             self.store.plan_round([RoundPlan(0, 0, tuple(sorted(sk.participants)), {})])
             self._sketch_round = sk

@@ -479,14 +479,22 @@ class FedClient:
             )
             await self._reply(task, phase, T.ERROR, err)
             return
-        upload_s, nbytes = await self._reply(task, phase, T.UPDATE, msg)
+
+        def trained(upload_s: float, nbytes: int) -> None:
+            self.summary.rounds.append(
+                RoundRecord(
+                    task.round_id, task.cluster_id, record["num_samples"], record["loss"], record["train_s"],
+                    upload_s, nbytes, {k: v for k, v in record.items() if k not in ("num_samples", "loss")},
+                )
+            )  # fmt: skip
+
+        try:
+            upload_s, nbytes = await self._reply(task, phase, T.UPDATE, msg)
+        except TransportError:  # kept: the coordinator asks again and gets the same bytes
+            trained(float("nan"), 0)
+            raise
         pending.upload_s = upload_s
-        self.summary.rounds.append(
-            RoundRecord(
-                task.round_id, task.cluster_id, record["num_samples"], record["loss"], record["train_s"],
-                upload_s, nbytes, {k: v for k, v in record.items() if k not in ("num_samples", "loss")},
-            )
-        )  # fmt: skip
+        trained(upload_s, nbytes)
         log.info(
             "round %d: update sent (%d bytes, %.2f s training)", task.round_id, nbytes, record["train_s"]
         )

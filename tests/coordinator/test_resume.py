@@ -9,6 +9,7 @@ round loop cancelled and the store closed with nothing more written, as after ``
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +23,11 @@ from fedsdk.errors import ConfigError
 from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.pipeline import he_aggregate_from_message, message_from_contribution
 from fedsdk.protocol import (
+    BYE_LEAVING,
+    BYE_LOST,
     Aggregate,
     BaseMessage,
+    Bye,
     EncryptedAggregate,
     EncryptedUpdate,
     Hello,
@@ -53,7 +57,7 @@ class Coordinator:
         config = RoundConfig(
             federation=FED,
             rounds=rounds,
-            min_clients=3,
+            min_clients=kw.pop("min_clients", 3),
             start_clients=3,
             deadline_s=3600.0,
             join_timeout_s=3600.0,
@@ -374,3 +378,65 @@ async def test_cancelled_round_loop_stops_even_when_its_round_just_completed(tmp
     assert a.task.cancelled()
     assert a.aggregates() == [], "a cancelled loop must not go on to aggregate"
     a.store.close()
+
+
+async def test_the_first_round_after_a_restart_waits_for_every_device_online_before_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "c.sqlite"
+    a = Coordinator(path, min_clients=2)
+    shapes = a.engine.shapes
+    a.hello(*DEVICES)
+    a.start()
+    await a.until(lambda: len(a.tasks(1)) == 3)
+    for cid in DEVICES:
+        a.send(cid, update(cid, shapes, 1))
+    await a.until(lambda: a.store.completed_round() == 1)
+    await a.crash()
+    with sqlite3.connect(path) as db:  # the kill came after round 1 completed, before round 2 was planned
+        db.execute("DELETE FROM round_plan WHERE round_id=2")
+        db.execute("DELETE FROM rounds WHERE round_id=2")
+
+    b = Coordinator(path, min_clients=2)
+    assert [c.online for c in b.store.clients()] == [False] * 3, "a new instance knows no device online"
+    b.start()
+    b.hello("d0", "d1")  # the quorum says hello first; d2's hello is a moment later
+    await asyncio.sleep(0.3)
+    assert b.tasks(2) == {}, "round 2 was planned before d2, online before the restart, could say hello"
+    b.hello("d2")
+    await b.until(lambda: len(b.tasks(2)) == 3)
+    assert [c.online for c in b.store.clients()] == [True] * 3
+    await b.crash()
+
+
+async def test_a_device_that_says_goodbye_is_not_waited_for(tmp_path: Path) -> None:
+    a = Coordinator(tmp_path / "c.sqlite", min_clients=2)
+    shapes = a.engine.shapes
+    a.hello(*DEVICES)
+    a.start()
+    await a.until(lambda: len(a.tasks(1)) == 3)
+    a.send("d0", update("d0", shapes, 1))
+    a.send("d1", update("d1", shapes, 1))
+    await asyncio.sleep(0.1)
+    assert not a.aggregates(), "the round waits for d2 (deadline 3600 s)"
+    a.engine.handle(T.up(FED, "d2", T.BYE), encode(Bye("d2", BYE_LEAVING)))
+    await a.until(lambda: len(a.aggregates()) == 1)
+    await a.crash()
+
+
+async def test_a_connection_lost_will_keeps_the_round_waiting(tmp_path: Path) -> None:
+    a = Coordinator(tmp_path / "c.sqlite", min_clients=2)
+    shapes = a.engine.shapes
+    a.hello(*DEVICES)
+    a.start()
+    await a.until(lambda: len(a.tasks(1)) == 3)
+    a.send("d0", update("d0", shapes, 1))
+    a.send("d1", update("d1", shapes, 1))
+    a.engine.handle(T.up(FED, "d2", T.BYE), encode(Bye("d2", BYE_LOST)))  # may be back in a moment
+    await asyncio.sleep(0.3)
+    assert not a.aggregates()
+    a.hello("d2")
+    await a.until(lambda: len(a.tasks(1).get("d2", [])) == 2)  # asked again on its hello
+    a.send("d2", update("d2", shapes, 1))
+    await a.until(lambda: len(a.aggregates()) == 1)
+    await a.crash()

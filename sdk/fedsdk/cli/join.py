@@ -3,10 +3,10 @@
 With ``--kit DIR`` (a device kit from ``fedsdk provision``) the broker URL, client id, federation,
 certificates and HE key come from the kit; options given on the command line still win.
 
-Exit codes: 0 when the federation finished and this device applied at least one round's aggregate; 1 when
-it failed, the coordinator went silent (``--idle-timeout``), ``--timeout`` passed, or the device applied
-no aggregate (the reason is printed); 130 on SIGINT or SIGTERM, after the device said goodbye, so the
-coordinator's round does not wait for it.
+Exit codes: 0 when the federation finished and this device sent at least one update and applied at least
+one round's aggregate; 1 when it failed, the coordinator went silent (``--idle-timeout``), ``--timeout``
+passed, or the device contributed no update or applied no aggregate (the reason is printed); 130 on
+SIGINT or SIGTERM, after the device said goodbye, so the coordinator's round does not wait for it.
 """
 
 from __future__ import annotations
@@ -118,13 +118,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(asdict(summary), f, indent=2)
-    applied = len(summary.applied_rounds)
-    ok = summary.state == "finished" and applied > 0
-    line = f"{client_id}: {summary.state} after {applied} rounds applied ({len(summary.rounds)} updates sent)"
+    applied, trained = len(summary.applied_rounds), len(summary.rounds)
+    ok = summary.state == "finished" and applied > 0 and trained > 0
+    line = f"{client_id}: {summary.state} after {applied} rounds applied ({trained} updates sent)"
     if not ok:
-        reason = summary.reason or (
-            "this device applied no aggregate" if summary.state == "finished" else summary.state
-        )
+        if summary.state != "finished":
+            reason = summary.reason or summary.state
+        elif trained == 0:
+            reason = f"this device contributed no update; last failure: {summary.reason or 'none reported'}"
+        else:
+            reason = summary.reason or "this device applied no aggregate"
         line += f": {reason}"
     print(line, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

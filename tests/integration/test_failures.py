@@ -1,0 +1,225 @@
+"""Failures that used to lose work silently, each against a real mosquitto and the real coordinator app:
+
+* a round with no valid update (every device's data has the wrong shape) does not end the federation: the
+  status says why and that it waits, the round runs again when valid devices join, and it finishes;
+* a device that applied no aggregate exits 1 and prints why; the coordinator logs and counts every device
+  failure by code (``/api/health`` and ``/metrics``);
+* a device process stopped with SIGINT or SIGTERM says goodbye, and the round closes as soon as the others
+  have answered, not at its deadline (measured);
+* a device gives up on a coordinator it no longer hears from, and ends once it applied the last round even
+  when the coordinator's ``finished`` never reaches it;
+* the coordinator does not call itself finished (``--exit-when-done`` stops there, and the embedded broker
+  with it) before the online devices have said goodbye.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from brokers import MosquittoProcess, find_mosquitto, start_mosquitto
+from fedsdk.client import FedClient
+from fedsdk.model.data import load_digits, partition_iid, save_npz
+from fedsdk.protocol import Status, decode
+from fedsdk.protocol import topics as T
+from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
+from fedsdk_coordinator.app import ENGINE
+from fedsdk_coordinator.rounds import RoundEngine
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_mosquitto() -> None:
+    if find_mosquitto() is None:
+        ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+        pytest.fail("CI without mosquitto") if ci else pytest.skip("mosquitto is not installed")
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Any:
+    with start_mosquitto(tmp_path / "mosq") as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def shards() -> list[tuple[np.ndarray, np.ndarray]]:
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, 4, seed=1)
+    return [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
+
+
+@contextlib.asynccontextmanager
+async def coordinator(
+    tmp_path: Path, broker: MosquittoProcess, **rounds: Any
+) -> AsyncIterator[tuple[TestClient[Any, Any], RoundEngine]]:
+    """The coordinator application on ``broker`` (plaintext, insecure loopback) with its HTTP API."""
+    fed = rounds.pop("federation", f"fl{secrets.token_hex(3)}")
+    config = CoordinatorConfig(
+        rounds=RoundConfig(federation=fed, seed=1, **rounds),
+        state_dir=tmp_path / "state",
+        broker_url=broker.url,
+        insecure=True,
+    )
+    async with TestClient(TestServer(create_app(config))) as http:
+        yield http, http.app[ENGINE]
+
+
+def device(broker: MosquittoProcess, engine: RoundEngine, cid: str, data: Any) -> FedClient:
+    return FedClient(
+        broker.url,
+        client_id=cid,
+        federation=engine.config.federation,
+        data=data,
+        insecure=True,
+        probe_bytes=0,
+    )
+
+
+async def join_proc(
+    broker: MosquittoProcess, fed: str, cid: str, data: Path, *extra: str
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fedsdk", "-v", "join", broker.url, "--insecure", "--client-id", cid,
+        "--federation", fed, "--data", str(data), "--timeout", "120", *extra,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+
+
+async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_failed_round_runs_again_when_valid_devices_join(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    bad = tmp_path / "bad.npz"  # 12 sensor features: the digits model wants 64
+    rng = np.random.default_rng(0)
+    save_npz(bad, rng.normal(size=(50, 12)).astype(np.float32), rng.integers(0, 3, 50))
+    async with coordinator(tmp_path, broker, rounds=2, min_clients=2, deadline_s=20) as (http, engine):
+        fed = engine.config.federation
+        procs = [await join_proc(broker, fed, f"bad{i}", bad) for i in range(2)]
+        await until(lambda: engine.detail.startswith("round 1 failed"), "round 1 to fail", 60)
+        assert "do not fit the model input" in engine.detail and "waiting" in engine.detail
+        assert engine.state == "running"
+        status = await http.get("/api/health")
+        assert (await status.json())["device_failures"] == {"device": 2}
+        metrics = await (await http.get("/metrics")).text()
+        assert 'fedsdk_device_failures_total{code="device"} 2' in metrics
+        good = [device(broker, engine, f"good{i}", shards[i]) for i in range(2)]
+        async with good[0], good[1]:
+            summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in good)), 120)
+        outs = [await asyncio.wait_for(p.communicate(), 60) for p in procs]
+    assert engine.state == "finished" and engine.completed_round == 2
+    for s in summaries:
+        assert s.state == "finished" and s.applied_rounds == [1, 2]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1, (out + err).decode()[-2000:]
+        last = err.decode().strip().splitlines()[-1]
+        assert "(0 updates sent)" in last and "contributed no update" in last, last
+        assert "do not fit the model input" in last, last
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_a_stopped_device_says_goodbye_and_the_round_does_not_wait_for_it(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]], sig: int
+) -> None:
+    x, y = shards[2]
+    slow = tmp_path / "slow.npz"  # 300x the others' samples at batch size 1: seconds of training
+    save_npz(slow, np.tile(x, (300, 1)), np.tile(y, 300))
+    deadline = 60.0
+    async with coordinator(
+        tmp_path, broker, rounds=1, min_clients=2, start_clients=3, deadline_s=deadline, batch_size=1
+    ) as (_, engine):
+        fed = engine.config.federation
+        proc = await join_proc(broker, fed, "slow", slow)
+        fast = [device(broker, engine, f"fast{i}", shards[i]) for i in range(2)]
+        async with fast[0], fast[1]:
+            runs = [asyncio.create_task(c.run()) for c in fast]
+            rnd = None
+
+            def answered() -> bool:
+                nonlocal rnd
+                rnd = engine._rounds.get(0)
+                return rnd is not None and {"fast0", "fast1"} <= set(rnd.replies)
+
+            await until(answered, "the fast devices' updates")
+            assert rnd is not None and "slow" not in rnd.replies, "the slow device answered already"
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            await until(lambda: engine.completed_round == 1, "round 1 to close", deadline)
+            closed_after = time.monotonic() - t0
+            summaries = await asyncio.wait_for(asyncio.gather(*runs), 60)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert closed_after < 10.0, f"the round waited {closed_after:.1f} s for a device that left"
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert "goodbye said" in err.decode()
+    assert all(s.applied_rounds == [1] for s in summaries)
+    print(f"signal {sig}: round closed {closed_after:.2f} s after it (deadline {deadline:.0f} s)")
+
+
+async def test_a_device_gives_up_on_a_silent_coordinator(broker: MosquittoProcess) -> None:
+    client = FedClient(broker.url, client_id="alone", data=(np.zeros((4, 64)), np.zeros(4)), insecure=True)
+    t0 = time.monotonic()
+    async with client:
+        summary = await asyncio.wait_for(client.run(idle_timeout=2.0), 30)
+    assert summary.state == "coordinator_lost" and "nothing heard" in summary.reason
+    assert time.monotonic() - t0 < 10
+
+
+async def test_a_device_ends_after_the_last_round_when_finished_never_arrives(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    async with coordinator(tmp_path, broker, rounds=1, min_clients=2, farewell_s=0) as (_, engine):
+        real = engine.publish
+
+        async def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
+            msg = decode(payload) if topic == T.status(engine.config.federation) else None
+            if isinstance(msg, Status) and msg.state == "finished":
+                return  # lost with a broker that stopped before delivering it
+            await real(topic, payload, retain=retain)
+
+        engine.publish = publish
+        clients = [device(broker, engine, f"d{i}", shards[i]) for i in range(2)]
+        async with clients[0], clients[1]:
+            summaries = await asyncio.wait_for(asyncio.gather(*(c.run(final_wait=1.0) for c in clients)), 60)
+    for s in summaries:
+        assert s.state == "finished" and s.applied_rounds == [1], s
+        assert "did not arrive" in s.reason
+
+
+async def test_the_coordinator_is_finished_only_once_the_devices_said_goodbye(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    async with coordinator(tmp_path, broker, rounds=1, min_clients=2) as (_, engine):
+        online_at_finish: list[int] = []
+
+        async def watch() -> None:
+            await engine.finished.wait()
+            online_at_finish.append(len(engine.online))
+
+        watcher = asyncio.create_task(watch())
+        clients = [device(broker, engine, f"d{i}", shards[i]) for i in range(2)]
+        # devices that keep their connection a moment after they saw the final status
+        async with clients[0], clients[1]:
+            await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 60)
+            await asyncio.sleep(0.5)
+            assert not engine.finished.is_set(), "finished while devices were still connected"
+        await asyncio.wait_for(watcher, 10)
+    assert online_at_finish == [0]
