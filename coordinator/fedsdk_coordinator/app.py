@@ -112,8 +112,16 @@ async def _broker_ctx(app: web.Application) -> AsyncIterator[None]:
         raise ConfigError("no broker URL and no embedded broker configuration")
     broker = EmbeddedBroker(cfg.embedded, federation=cfg.rounds.federation, key_mode=cfg.rounds.key_mode)
     async with broker:
-        app[BROKER_URL] = broker.url
+        app[BROKER_URL] = _dial_url(cfg.embedded)
         yield
+
+
+def _dial_url(embedded: EmbeddedBrokerConfig) -> str:
+    """The URL the coordinator reaches its embedded broker at: over loopback when the broker listens on
+    every interface (0.0.0.0, ::), whose address no certificate names."""
+    host = embedded.host.removeprefix("[").removesuffix("]")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"{'mqtts' if embedded.tls else 'mqtt'}://{f'[{host}]' if ':' in host else host}:{embedded.port}"
 
 
 async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -194,6 +202,7 @@ async def _health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = engine.health()
     body["transport"] = request.app[TRANSPORT].stats
+    body["rejected_frames"] = request.app[TRANSPORT].frame_rejections
     return web.json_response(body)
 
 
@@ -225,6 +234,20 @@ async def _metrics(request: web.Request) -> web.Response:
     ]
     for code, n in sorted(h["rejected"].items()):
         lines.append(f'fedsdk_rejected_messages_total{{code="{code}"}} {n}')
+    # the transport's frames refused before reassembly (by code) and messages it dropped (by reason)
+    transport = request.app[TRANSPORT]
+    lines.append("# TYPE fedsdk_rejected_frames_total counter")
+    for code, n in transport.frame_rejections.items():
+        lines.append(f'fedsdk_rejected_frames_total{{code="{code}"}} {n}')
+    stats = transport.stats
+    lines += [
+        "# TYPE fedsdk_dropped_messages_total counter",
+        f'fedsdk_dropped_messages_total{{reason="incomplete"}} {stats["dropped_incomplete"]}',
+        f'fedsdk_dropped_messages_total{{reason="overflow"}} {stats["dropped_overflow"]}',
+    ]
+    lines.append("# TYPE fedsdk_device_failures_total counter")
+    for code, n in sorted(h["device_failures"].items()):
+        lines.append(f'fedsdk_device_failures_total{{code="{code}"}} {n}')
     done = [r for r in request.app[STORE].rounds() if r.state == "done"]
     if done:
         last = done[-1]

@@ -18,22 +18,34 @@ checks. Decisions:
   ACL pattern.
 * Private keys are PKCS#8 PEM without a passphrase (mosquitto and unattended devices must read them at
   boot); they are protected by file mode 0600 set when the file is created, never afterwards.
-* :func:`make_dev_pki` keeps the CA key in memory only (on :class:`DevPki`), so a development directory
-  never holds a key that could mint new identities.
+* :func:`make_dev_pki` makes a development PKI once and reuses it: a coordinator restarted on the same state
+  directory must keep admitting the devices that hold certificates from its last start. So the directory
+  also keeps the CA key (``ca.key``, 0600): a later call signs the certificates of new ids with the same
+  CA, and re-issues the broker certificate (same CA, so every device certificate stays valid) when it does
+  not cover the names asked for. That directory can mint identities of the development federation; a fleet
+  is made with ``fedsdk provision``, whose CA key stays on the operator's machine.
+* :func:`broker_sans` gives the names a broker certificate needs for a listen address. For a wildcard
+  (``0.0.0.0``, ``::``) those are the names a LAN device can reach this machine by: its host name, its mDNS
+  name ``<host>.local``, ``localhost``, the loopback addresses and the non-loopback addresses found with
+  the standard library alone and without sending a packet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import os
 import re
 import secrets
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -45,6 +57,7 @@ __all__ = [
     "SPIFFE_DOMAIN",
     "DevPki",
     "KeyPair",
+    "broker_sans",
     "issue_cert",
     "make_ca",
     "make_dev_pki",
@@ -229,7 +242,9 @@ def write_public(path: str | os.PathLike[str], data: bytes) -> Path:
 
 @dataclass(frozen=True)
 class DevPki:
-    """A development PKI on disk: ``ca.pem``, ``server.pem``/``server.key`` and ``<id>.pem``/``<id>.key``."""
+    """A development PKI on disk: ``ca.pem``/``ca.key``, ``server.pem``/``server.key`` and
+    ``<id>.pem``/``<id>.key``. ``issued`` names what the last :func:`make_dev_pki` call made (``ca``,
+    ``server``, client ids); everything else was reused."""
 
     directory: Path
     ca_file: Path
@@ -237,6 +252,7 @@ class DevPki:
     server_key: Path
     clients: Mapping[str, tuple[Path, Path]]
     ca: KeyPair = field(repr=False)
+    issued: tuple[str, ...] = ()
 
     def tls_for(self, client_id: str, *, check_hostname: bool = True) -> TlsConfig:
         """The transport TLS settings of one identity of this PKI."""
@@ -246,6 +262,98 @@ class DevPki:
             raise ConfigError(f"no certificate for {client_id!r} in {self.directory}") from None
         return TlsConfig(str(self.ca_file), str(cert), str(key), check_hostname)
 
+    def server_sans(self) -> list[str]:
+        """The DNS names and IP addresses the broker certificate covers."""
+        cert = x509.load_pem_x509_certificate(self.server_cert.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return [*san.get_values_for_type(x509.DNSName), *map(str, san.get_values_for_type(x509.IPAddress))]
+
+
+def _not_before(cert: x509.Certificate) -> dt.datetime:
+    utc = getattr(cert, "not_valid_before_utc", None)  # cryptography >= 42
+    return utc if utc is not None else cert.not_valid_before.replace(tzinfo=dt.timezone.utc)
+
+
+def _public_der(public_key: Any) -> bytes:
+    return bytes(
+        public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+
+
+def _read_pair(cert_file: Path, key_file: Path) -> KeyPair | None:
+    """The certificate and key on disk, or None when either is missing. A key others can read is refused."""
+    if not (cert_file.is_file() and key_file.is_file()):
+        return None
+    mode = key_file.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(f"{key_file} is readable by others (mode {mode:o}); chmod 600 it")
+    return KeyPair(cert_file.read_bytes(), key_file.read_bytes())
+
+
+def _check_pair(pair: KeyPair) -> x509.Certificate:
+    """The certificate of ``pair``, valid now and matching its key; ValueError otherwise."""
+    cert = x509.load_pem_x509_certificate(pair.cert_pem)
+    key = serialization.load_pem_private_key(pair.key_pem, password=None)
+    if _public_der(key.public_key()) != _public_der(cert.public_key()):
+        raise ValueError("the key does not match the certificate")
+    now = dt.datetime.now(dt.timezone.utc)
+    if not _not_before(cert) <= now < _not_after(cert):
+        raise ValueError("the certificate is not valid now")
+    return cert
+
+
+def _load_ca(root: Path) -> KeyPair | None:
+    """The CA kept in ``root``, or None when there is none yet (``ca.key`` alone is a start cut short)."""
+    ca_file, key_file = root / "ca.pem", root / "ca.key"
+    if not ca_file.exists():
+        return None
+    fix = f"delete {root} to make a new development PKI, then give the devices their new certificates"
+    pair = _read_pair(ca_file, key_file)
+    if pair is None:
+        raise ConfigError(
+            f"{ca_file} has no CA key beside it ({key_file.name}: made by an earlier fedsdk, or moved): {fix}"
+        )
+    try:
+        cert = _check_pair(pair)
+        if not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            raise ValueError("not a CA certificate")
+    except (ValueError, TypeError, x509.ExtensionNotFound) as exc:
+        raise ConfigError(f"the development CA in {root} is unusable ({exc}): {fix}") from exc
+    return pair
+
+
+def _reusable(
+    root: Path, name: str, ca_cert: x509.Certificate, *, server: bool
+) -> tuple[KeyPair, x509.Certificate] | None:
+    """``<name>.pem``/``<name>.key`` when they were issued by ``ca_cert`` for this use and are valid now."""
+    pair = _read_pair(root / f"{name}.pem", root / f"{name}.key")
+    if pair is None:
+        return None
+    eku = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    try:
+        cert = _check_pair(pair)
+        cert.verify_directly_issued_by(ca_cert)
+        cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return None
+    if [a.value for a in cns] != [name] or eku not in usages:
+        return None
+    return pair, cert
+
+
+def _covers(cert: x509.Certificate, dns_names: Sequence[str], ips: Sequence[str]) -> bool:
+    """Whether the certificate's SANs include every name and address asked for."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        wanted_ips = {ipaddress.ip_address(a) for a in ips}
+    except (x509.ExtensionNotFound, ValueError):
+        return False
+    have_names = {n.lower() for n in san.get_values_for_type(x509.DNSName)}
+    return {n.lower() for n in dns_names} <= have_names and wanted_ips <= set(
+        san.get_values_for_type(x509.IPAddress)
+    )
+
 
 def make_dev_pki(
     directory: str | os.PathLike[str],
@@ -254,23 +362,92 @@ def make_dev_pki(
     server_names: Sequence[str] = ("localhost",),
     server_ips: Sequence[str] = ("127.0.0.1",),
 ) -> DevPki:
-    """Create a CA, a broker certificate and one client certificate per id (plus ``coordinator``)."""
+    """Make a development PKI in ``directory``, or reuse the one already there.
+
+    A CA (kept with its key), a broker certificate for ``server_names``/``server_ips`` and one client
+    certificate per id plus ``coordinator``. What exists is kept: the CA, and every certificate it issued
+    that matches its key and is valid now. Missing client certificates are issued by that CA; the broker
+    certificate is issued again by that CA when it does not cover every name asked for, so the devices'
+    certificates stay valid. Private keys are written 0600; an existing key others can read is refused."""
     ids = list(dict.fromkeys([*client_ids, "coordinator"]))
     for cid in ids:
         _check_name(cid)
         if cid in _RESERVED:
             raise ConfigError(f"{cid!r} is reserved for the PKI's own files")
     root = Path(directory)
-    ca = make_ca("fedsdk development CA")
-    ca_file = write_public(root / "ca.pem", ca.cert_pem)
-    server = issue_cert(ca, "server", server=True, dns_names=server_names, ip_addresses=server_ips)
-    server_cert = write_public(root / "server.pem", server.cert_pem)
-    server_key = write_private(root / "server.key", server.key_pem)
+    issued: list[str] = []
+    ca = _load_ca(root)
+    if ca is None:
+        ca = make_ca("fedsdk development CA")
+        write_private(root / "ca.key", ca.key_pem)  # the key first: a ca.pem on disk has its key beside it
+        write_public(root / "ca.pem", ca.cert_pem)
+        issued.append("ca")
+    ca_cert = ca.certificate
+    server_cert, server_key = root / "server.pem", root / "server.key"
+    found = _reusable(root, "server", ca_cert, server=True)
+    if found is None or not _covers(found[1], server_names, server_ips):
+        server = issue_cert(ca, "server", server=True, dns_names=server_names, ip_addresses=server_ips)
+        write_private(server_key, server.key_pem)
+        write_public(server_cert, server.cert_pem)
+        issued.append("server")
     clients: dict[str, tuple[Path, Path]] = {}
     for cid in ids:
-        pair = issue_cert(ca, cid)
-        clients[cid] = (
-            write_public(root / f"{cid}.pem", pair.cert_pem),
-            write_private(root / f"{cid}.key", pair.key_pem),
-        )
-    return DevPki(root, ca_file, server_cert, server_key, clients, ca)
+        clients[cid] = (root / f"{cid}.pem", root / f"{cid}.key")
+        if _reusable(root, cid, ca_cert, server=False) is None:
+            pair = issue_cert(ca, cid)
+            write_private(clients[cid][1], pair.key_pem)
+            write_public(clients[cid][0], pair.cert_pem)
+            issued.append(cid)
+    return DevPki(root, root / "ca.pem", server_cert, server_key, clients, ca, tuple(issued))
+
+
+_WILDCARDS = frozenset({"", "*", "0.0.0.0", "::"})
+_DNS_NAME = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*$")
+# Documentation networks (RFC 5737, RFC 3849): a UDP socket "connected" there learns the source address
+# of the default route. connect() on a UDP socket only picks the route; it sends nothing.
+_ROUTE_PROBES = ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1"))
+
+
+def _local_addresses() -> list[str]:
+    """This machine's non-loopback addresses: those its host name resolves to and the default routes'
+    source addresses. IPv6 link-local addresses are left out (a peer needs the interface to use them)."""
+    found: list[str] = []
+    with contextlib.suppress(OSError, UnicodeError):
+        for *_, sockaddr in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP):
+            found.append(str(sockaddr[0]))
+    for family, probe in _ROUTE_PROBES:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            found.append(str(s.getsockname()[0]))
+    out: list[str] = []
+    for a in found:
+        try:
+            ip = ipaddress.ip_address(a.split("%", 1)[0])
+        except ValueError:
+            continue
+        if ip.is_loopback or ip.is_unspecified or ip.is_multicast or (ip.version == 6 and ip.is_link_local):
+            continue
+        out.append(str(ip))
+    return list(dict.fromkeys(out))
+
+
+def broker_sans(listen_host: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The DNS names and IP addresses a broker listening on ``listen_host`` needs in its certificate.
+
+    A wildcard (``0.0.0.0``, ``::``, ``[::]``): the host name, its mDNS name ``<first label>.local``,
+    ``localhost``, ``127.0.0.1``, ``::1`` and the addresses of :func:`_local_addresses`. An IP literal:
+    that address (and ``localhost`` for a loopback one). A host name: that name and ``localhost``."""
+    host = listen_host.strip().removeprefix("[").removesuffix("]").lower()
+    if host in _WILDCARDS:
+        hostname = socket.gethostname().lower().rstrip(".")
+        names = [hostname, f"{hostname.split('.')[0]}.local", "localhost"]
+        ips = ["127.0.0.1", "::1", *_local_addresses()]
+    else:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            names, ips = [host, "localhost"], ["127.0.0.1"] if host == "localhost" else []
+        else:
+            names, ips = ["localhost"] if ip.is_loopback else [], [str(ip)]
+    good = [n for n in dict.fromkeys(names) if _DNS_NAME.match(n)]
+    return tuple(good), tuple(dict.fromkeys(ips))

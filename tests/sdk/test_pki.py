@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import ssl
@@ -18,7 +19,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from fedsdk.errors import ConfigError
-from fedsdk.pki import SPIFFE_DOMAIN, DevPki, issue_cert, make_ca, make_dev_pki, write_private, write_public
+from fedsdk.pki import (
+    SPIFFE_DOMAIN,
+    DevPki,
+    broker_sans,
+    issue_cert,
+    make_ca,
+    make_dev_pki,
+    write_private,
+    write_public,
+)
 
 
 def load(path: Path) -> x509.Certificate:
@@ -35,9 +45,10 @@ def mode(path: Path) -> int:
 
 def test_dev_pki_files_and_modes(dev_pki: DevPki) -> None:
     names = sorted(p.name for p in dev_pki.directory.iterdir())
-    expected = ["ca.pem", "server.key", "server.pem"]
+    expected = ["ca.key", "ca.pem", "server.key", "server.pem"]
     expected += [f"{c}.{ext}" for c in ("coordinator", "dev1", "dev2", "dev3") for ext in ("key", "pem")]
-    assert names == sorted(expected)  # no ca.key on disk, no temporary files left behind
+    assert names == sorted(expected)  # no temporary files left behind
+    assert dev_pki.issued == ("ca", "server", "dev1", "dev2", "dev3", "coordinator")
     for p in dev_pki.directory.iterdir():
         assert mode(p) == (0o600 if p.suffix == ".key" else 0o644), p
     tls = dev_pki.tls_for("dev2")
@@ -169,3 +180,82 @@ def test_write_private_is_0600_from_creation_and_atomic(tmp_path: Path) -> None:
         assert sorted(p.name for p in target.parent.iterdir()) == ["device.key", "device.pem"]
     finally:
         os.umask(old_umask)
+
+
+def test_dev_pki_is_made_once_and_reused(dev_pki: DevPki) -> None:
+    root = dev_pki.directory
+    before = {p.name: p.read_bytes() for p in root.iterdir()}
+    again = make_dev_pki(root, client_ids=["dev1", "dev2", "dev3"])
+    assert again.ca.cert_pem == dev_pki.ca.cert_pem
+    assert {p.name: p.read_bytes() for p in root.iterdir()} == before  # nothing re-issued or rewritten
+    assert again.issued == ()
+
+    more = make_dev_pki(root, client_ids=["dev1", "dev4"])  # a new device: signed by the same CA
+    assert more.issued == ("dev4",)
+    ca = load(dev_pki.ca_file)
+    client = PolicyBuilder().store(Store([ca])).build_client_verifier()
+    client.verify(load(more.clients["dev4"][0]), [])
+    assert (root / "dev1.pem").read_bytes() == before["dev1.pem"]
+    assert (root / "dev3.key").read_bytes() == before["dev3.key"]  # not asked for this time, still kept
+
+    wider = make_dev_pki(root, client_ids=["dev1"], server_names=["coord.lan"], server_ips=["10.0.0.5"])
+    assert wider.issued == ("server",)  # re-issued by the same CA: every device certificate stays valid
+    server = load(wider.server_cert)
+    server.verify_directly_issued_by(ca)
+    assert wider.server_sans() == ["coord.lan", "10.0.0.5"]
+    for name in ("dev1", "dev2", "dev3", "dev4", "coordinator"):
+        client.verify(load(root / f"{name}.pem"), [])
+    narrower = make_dev_pki(root, client_ids=["dev1"], server_names=["coord.lan"], server_ips=[])
+    assert narrower.issued == ()  # a certificate naming more than asked for is kept
+    for p in root.iterdir():
+        assert mode(p) == (0o600 if p.suffix == ".key" else 0o644), p
+
+
+def test_dev_pki_replaces_what_it_cannot_use(dev_pki: DevPki, tmp_path: Path) -> None:
+    root = dev_pki.directory
+    other = make_dev_pki(tmp_path / "other", client_ids=["dev2"])
+    (root / "dev2.pem").write_bytes((other.directory / "dev2.pem").read_bytes())  # from another CA
+    (root / "dev3.key").unlink()
+    (root / "dev1.pem").write_bytes(b"garbage")
+    again = make_dev_pki(root, client_ids=["dev1", "dev2", "dev3"])
+    assert again.issued == ("dev1", "dev2", "dev3")
+    for cid in ("dev1", "dev2", "dev3"):
+        load(root / f"{cid}.pem").verify_directly_issued_by(load(dev_pki.ca_file))
+
+    os.chmod(root / "dev1.key", 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        make_dev_pki(root, client_ids=["dev1"])
+    os.chmod(root / "dev1.key", 0o600)
+    (root / "ca.key").unlink()  # a PKI whose CA key is gone cannot issue: say what to do
+    with pytest.raises(ConfigError, match=f"delete {root}"):
+        make_dev_pki(root, client_ids=["dev1"])
+    write_private(root / "ca.key", other.ca.key_pem)  # the key of another CA
+    with pytest.raises(ConfigError, match="does not match"):
+        make_dev_pki(root, client_ids=["dev1"])
+
+
+def test_broker_sans() -> None:
+    assert broker_sans("127.0.0.1") == (("localhost",), ("127.0.0.1",))
+    assert broker_sans("192.168.1.5") == ((), ("192.168.1.5",))
+    assert broker_sans("[::1]") == (("localhost",), ("::1",))
+    assert broker_sans("coord.lan") == (("coord.lan", "localhost"), ())
+    host = socket.gethostname().lower()
+    resolved = set()
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        pass
+    for wildcard in ("0.0.0.0", "::", "[::]"):
+        names, ips = broker_sans(wildcard)
+        assert names[:3] == (host, f"{host.split('.')[0]}.local", "localhost")
+        assert ips[:2] == ("127.0.0.1", "::1")
+        for a in resolved:
+            ip = ipaddress.ip_address(a.split("%")[0])
+            if not (ip.is_loopback or ip.is_link_local):
+                assert str(ip) in ips, (a, ips)
+        assert all(not ipaddress.ip_address(a).is_loopback for a in ips[2:])
+    names, ips = broker_sans("0.0.0.0")
+    ca = make_ca("test CA", days=30)
+    leaf = issue_cert(ca, "server", server=True, dns_names=names, ip_addresses=ips).certificate
+    verifier = PolicyBuilder().store(Store([ca.certificate])).build_server_verifier(x509.DNSName(host))
+    verifier.verify(leaf, [])
