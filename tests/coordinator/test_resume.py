@@ -64,6 +64,7 @@ class Coordinator:
             report_timeout_s=kw.pop("report_timeout_s", 0.2),
             sketch_dim=SKETCH_DIM,
             strategy=kw.pop("strategy", "plaintext"),
+            farewell_s=0.0,  # the simulated devices never say goodbye
             **kw,
         )
         self.engine = RoundEngine(
