@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedsdk.errors import TransportError
 from fedsdk.mosquitto import HOST, find_mosquitto, free_port, terminate
 from fedsdk.mosquitto import accepting as _accepting
 from fedsdk.pki import DevPki
-from fedsdk.transport import MAX_PACKET_BYTES
+from fedsdk.transport import MAX_PACKET_BYTES, Message, MqttTransport
 
 __all__ = [
     "AmqttBroker",
@@ -309,3 +310,26 @@ class EmbeddedBrokerThread:
 
     def log_text(self) -> str:
         return self._log.getvalue()
+
+
+def require_mosquitto() -> None:
+    """Skip a broker test where mosquitto is missing; in CI (``CI`` set), fail instead."""
+    import pytest
+
+    if find_mosquitto() is None:
+        ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+        pytest.fail("CI without mosquitto") if ci else pytest.skip("mosquitto is not installed")
+
+
+class Recorder:
+    """A connected transport and every message it received (pumped by a task of the running loop)."""
+
+    def __init__(self, transport: MqttTransport) -> None:
+        self.t = transport
+        self.got: list[Message] = []
+        self._pump = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        with contextlib.suppress(TransportError):
+            async for m in self.t.messages():
+                self.got.append(m)

@@ -410,14 +410,19 @@ async def test_the_first_round_after_a_restart_waits_for_every_device_online_bef
     await b.crash()
 
 
-async def test_a_device_that_says_goodbye_is_not_waited_for(tmp_path: Path) -> None:
+async def d2_missing(tmp_path: Path) -> Coordinator:
+    """A running round 1 in which d0 and d1 have replied and d2 has not (deadline 3600 s)."""
     a = Coordinator(tmp_path / "c.sqlite", min_clients=2)
-    shapes = a.engine.shapes
     a.hello(*DEVICES)
     a.start()
     await a.until(lambda: len(a.tasks(1)) == 3)
-    a.send("d0", update("d0", shapes, 1))
-    a.send("d1", update("d1", shapes, 1))
+    a.send("d0", update("d0", a.engine.shapes, 1))
+    a.send("d1", update("d1", a.engine.shapes, 1))
+    return a
+
+
+async def test_a_device_that_says_goodbye_is_not_waited_for(tmp_path: Path) -> None:
+    a = await d2_missing(tmp_path)
     await asyncio.sleep(0.1)
     assert not a.aggregates(), "the round waits for d2 (deadline 3600 s)"
     a.engine.handle(T.up(FED, "d2", T.BYE), encode(Bye("d2", BYE_LEAVING)))
@@ -426,18 +431,12 @@ async def test_a_device_that_says_goodbye_is_not_waited_for(tmp_path: Path) -> N
 
 
 async def test_a_connection_lost_will_keeps_the_round_waiting(tmp_path: Path) -> None:
-    a = Coordinator(tmp_path / "c.sqlite", min_clients=2)
-    shapes = a.engine.shapes
-    a.hello(*DEVICES)
-    a.start()
-    await a.until(lambda: len(a.tasks(1)) == 3)
-    a.send("d0", update("d0", shapes, 1))
-    a.send("d1", update("d1", shapes, 1))
+    a = await d2_missing(tmp_path)
     a.engine.handle(T.up(FED, "d2", T.BYE), encode(Bye("d2", BYE_LOST)))  # may be back in a moment
     await asyncio.sleep(0.3)
     assert not a.aggregates()
     a.hello("d2")
     await a.until(lambda: len(a.tasks(1).get("d2", [])) == 2)  # asked again on its hello
-    a.send("d2", update("d2", shapes, 1))
+    a.send("d2", update("d2", a.engine.shapes, 1))
     await a.until(lambda: len(a.aggregates()) == 1)
     await a.crash()

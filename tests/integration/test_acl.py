@@ -27,7 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from brokers import BrokerStartError, EmbeddedBrokerThread, MosquittoProcess, find_mosquitto, free_port
+from brokers import (
+    BrokerStartError,
+    EmbeddedBrokerThread,
+    MosquittoProcess,
+    Recorder,
+    find_mosquitto,
+    free_port,
+)
 from fedsdk.errors import ConnectError, TransportError
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.pki import make_dev_pki
@@ -121,18 +128,8 @@ def fb(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         fleet_broker.broker.stop()
 
 
-class Client:
+class Client(Recorder):
     """A connected transport and everything it received."""
-
-    def __init__(self, transport: MqttTransport) -> None:
-        self.t = transport
-        self.got: list[Message] = []
-        self._pump = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        with contextlib.suppress(TransportError):
-            async for m in self.t.messages():
-                self.got.append(m)
 
     def topics(self) -> list[str]:
         return [m.topic for m in self.got]

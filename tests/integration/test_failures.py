@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import signal
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from brokers import MosquittoProcess, find_mosquitto, start_mosquitto
+from brokers import MosquittoProcess, require_mosquitto, start_mosquitto
 from fedsdk.client import FedClient
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.protocol import Status, decode
@@ -43,9 +42,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_mosquitto() -> None:
-    if find_mosquitto() is None:
-        ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-        pytest.fail("CI without mosquitto") if ci else pytest.skip("mosquitto is not installed")
+    require_mosquitto()
 
 
 @pytest.fixture

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 
 import brokers
-from brokers import EmbeddedBrokerThread, MosquittoProcess, find_mosquitto, free_port
+from brokers import EmbeddedBrokerThread, MosquittoProcess, Recorder, find_mosquitto, free_port
 from fedsdk._chunking import HEADER_SIZE
-from fedsdk.errors import TransportError, TransportTimeout
+from fedsdk.errors import TransportTimeout
 from fedsdk.mosquitto import LoopbackMosquitto
 from fedsdk.protocol.envelope import Limits
 from fedsdk.provision import Kit, fleet_from_mapping, load_kit, provision
@@ -40,7 +40,6 @@ from fedsdk.provision.mosquitto import MOSQUITTO_CONF_TEMPLATE, render_mosquitto
 from fedsdk.transport import (
     MAX_MESSAGE_BYTES,
     MAX_PACKET_BYTES,
-    Message,
     MqttTransport,
     max_frame_bytes,
     max_packet_bytes,
@@ -196,18 +195,8 @@ def announce_publish(url: str, kit: Kit, topic: str, payload_len: int) -> float:
         return time.monotonic() - start
 
 
-class Receiver:
+class Receiver(Recorder):
     """A connected transport and every message it received."""
-
-    def __init__(self, transport: MqttTransport) -> None:
-        self.t = transport
-        self.got: list[Message] = []
-        self._pump = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        with contextlib.suppress(TransportError):
-            async for m in self.t.messages():
-                self.got.append(m)
 
     async def wait_for(self, payload: bytes, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
