@@ -185,7 +185,10 @@ class _RoundState:
 
     def check_reported(self) -> None:
         """Every device whose update was aggregated and that has not left holds the round's model: it
-        reported, or (after a coordinator restart) its hello says it applied this round."""
+        reported, or (after a coordinator restart) its hello says it applied this round. Only once the round
+        stopped taking replies: before that, a goodbye must not stand for reports still to come."""
+        if self.collecting:
+            return
         valid = {c for c, r in self.replies.items() if not isinstance(r, Error)}
         if valid - self.gone <= set(self.reports) | self.applied:
             self.reported.set()
@@ -1115,6 +1118,7 @@ class RoundEngine:
                 round_id, cluster_id, state="failed", num_clients=0, total_samples=0, metrics=base
             )
             return False
+        rnd.check_reported()  # goodbyes said while the round was collecting
         if not await _wait(rnd.reported, c.report_timeout_s):
             log.warning(
                 "round %d cluster %d: %d of %d reports", round_id, cluster_id, len(rnd.reports), len(valid)

@@ -31,6 +31,7 @@ from fedsdk.protocol import (
     EncryptedAggregate,
     EncryptedUpdate,
     Hello,
+    Report,
     Sketch,
     Task,
     Update,
@@ -439,4 +440,21 @@ async def test_a_connection_lost_will_keeps_the_round_waiting(tmp_path: Path) ->
     await a.until(lambda: len(a.tasks(1).get("d2", [])) == 2)  # asked again on its hello
     a.send("d2", update("d2", a.engine.shapes, 1))
     await a.until(lambda: len(a.aggregates()) == 1)
+    await a.crash()
+
+
+async def test_a_goodbye_before_aggregation_does_not_stand_for_the_others_reports(tmp_path: Path) -> None:
+    a = Coordinator(tmp_path / "c.sqlite", min_clients=2, report_timeout_s=3600.0)
+    a.hello(*DEVICES)
+    a.start()
+    await a.until(lambda: len(a.tasks(1)) == 3)
+    a.engine.handle(T.up(FED, "d2", T.BYE), encode(Bye("d2", BYE_LEAVING)))  # before any reply
+    a.send("d0", update("d0", a.engine.shapes, 1))
+    a.send("d1", update("d1", a.engine.shapes, 1))
+    await a.until(lambda: len(a.aggregates()) == 1)
+    await asyncio.sleep(0.3)
+    assert a.store.completed_round() == 0, "round 1 completed without d0's and d1's reports"
+    for cid in ("d0", "d1"):
+        a.engine.handle(T.up(FED, cid, T.REPORT), encode(Report(cid, 1, 0, {"test_accuracy": 0.5})))
+    await a.until(lambda: a.store.completed_round() == 1)
     await a.crash()
