@@ -137,6 +137,7 @@ class RoundConfig:
     mask_eta_mi: float = 2.0
     mask_policy: str = "security-first"
     mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
+    mask_fill: bool | None = None  # None: the strategy's default (encrypt all the budget allows)
     coop_decrypt: bool | None = None  # None: the strategy's default (coop.py; key mode shared only)
     share_wait_s: float = 1.0  # how long a device waits for the others' shares before decrypting them
     mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
@@ -245,6 +246,8 @@ class RoundEngine:
         self.strategy = strategy(config.strategy)
         wanted = self.strategy.consensus if config.mask_consensus is None else config.mask_consensus
         self.consensus = bool(wanted) and self.strategy.mask == "solver"
+        fill = self.strategy.fill if config.mask_fill is None else config.mask_fill
+        self.fill = bool(fill) and self.strategy.mask == "solver"
         coop = self.strategy.coop if config.coop_decrypt is None else config.coop_decrypt
         if coop and config.coop_decrypt and self.strategy.backend != "packed":
             raise ConfigError(f"cooperative decryption needs the packed backend, not {self.strategy.name}")
@@ -773,6 +776,7 @@ class RoundEngine:
             "mask_eta_mi": c.mask_eta_mi,
             "mask_policy": c.mask_policy,
             "mask_floor": c.mask_floor,
+            "mask_fill": self.fill,
             "sketch_dim": c.sketch_dim,
             "sketch_seed": c.seed * 7919 + 1,
             "dp_epsilon": c.dp_epsilon,

@@ -155,6 +155,38 @@ class MaskChoice:
     gave_way: str | None = None
 
 
+def fill_mask(
+    mask: np.ndarray,
+    pack_sens: np.ndarray,
+    budget: float,
+    n_values: int,
+    pack_size: int,
+    prefer: np.ndarray | None = None,
+) -> np.ndarray:
+    """Encrypt everything the budget allows: ``mask`` (eq. 4-9's choice, the fewest packs that meet the
+    sensitivity and MI constraints) grown to ``floor(α · n_values / pack_size)`` packs, all of them when
+    α = 1. Packs are added in the order the solver uses: the preferred ones (the cluster's consensus)
+    first, then by pack sensitivity, most sensitive first; ties by index.
+
+    Decision (the ``fedsdk`` strategy): paper 000 minimises the encrypted count because per-value
+    Paillier cost seconds per thousand values; with packed Paillier and an obfuscator pool the budget α
+    (what the device can encrypt and upload by the round's target time) is the cost bound, and every value
+    left in the clear is one the coordinator can read, a single local sample being recoverable from one
+    first-layer row. So the budget is spent whole. The paper strategies keep eq. 4's objective.
+    """
+    out = np.asarray(mask, dtype=bool).copy()
+    k = out.size if budget >= 1.0 else min(out.size, math.floor(budget * n_values / pack_size + 1e-9))
+    need = k - int(out.sum())
+    if need <= 0:
+        return out
+    order = np.argsort(-np.asarray(pack_sens, dtype=np.float64), kind="stable")
+    if prefer is not None:
+        order = np.concatenate([order[prefer[order]], order[~prefer[order]]])
+    free = order[~out[order]]
+    out[free[:need]] = True
+    return out
+
+
 def choose_mask(
     config: Mapping[str, Any],
     *,
@@ -196,6 +228,8 @@ def choose_mask(
         prefer = decode_pack_mask(str(hint), n_packs) if hint else None
         res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
         mask, gave_way = res.mask, res.gave_way
+        if config.get("mask_fill"):
+            mask = fill_mask(mask, pack_sensitivity(sens, pack_size), budget, n, pack_size, prefer)
     else:
         raise ConfigError(f"unknown mask mode {mode!r}")
     floors = parse_floors(str(config.get("mask_floor", "")))

@@ -619,3 +619,56 @@ def test_choose_mask_adds_the_floor_and_prefers_the_consensus() -> None:
     assert not (agreed.mask & ~prefer).any() or (agreed.mask | ~prefer).all()
     with pytest.raises(ConfigError, match="mask_consensus"):
         choose_mask({**base, "mask_consensus": encode_pack_mask(prefer[:-8])}, **kw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n_packs=st.integers(1, 60),
+    pack_size=st.integers(1, 9),
+    short=st.integers(0, 8),
+    budget=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31),
+    with_prefer=st.booleans(),
+)
+def test_fill_mask_spends_the_whole_budget_on_the_most_sensitive_free_packs(
+    n_packs: int, pack_size: int, short: int, budget: float, seed: int, with_prefer: bool
+) -> None:
+    from fedsdk.pipeline import fill_mask
+
+    rng = np.random.default_rng(seed)
+    n_values = n_packs * pack_size - min(short, pack_size - 1)  # the last pack may be short
+    sens = rng.random(n_packs)
+    start = rng.random(n_packs) < 0.2
+    prefer = rng.random(n_packs) < 0.5 if with_prefer else None
+    out = fill_mask(start, sens, budget, n_values, pack_size, prefer)
+    want = n_packs if budget >= 1.0 else min(n_packs, math.floor(budget * n_values / pack_size + 1e-9))
+    assert out.dtype == bool and out.shape == start.shape
+    assert (out | start).tolist() == out.tolist(), "the solver's packs stay encrypted"
+    assert int(out.sum()) == max(int(start.sum()), want)
+    added = out & ~start
+    left = ~out
+    if added.any() and left.any():  # nothing left out ranks before anything added
+        rank = (prefer.astype(float) * 10 if prefer is not None else 0) + sens
+        assert rank[added].min() >= rank[left].max()
+    assert fill_mask(start, sens, 1.0, n_values, pack_size).all()
+
+
+def test_choose_mask_fills_to_the_budget_under_the_fedsdk_strategy() -> None:
+    from fedsdk.pipeline import choose_mask
+
+    rng = np.random.default_rng(5)
+    shapes = [(16, 8), (16,), (4, 16), (4,)]
+    weights = [rng.normal(size=s) for s in shapes]
+    grads = [rng.normal(size=s) for s in shapes]
+    update = np.concatenate([rng.normal(scale=0.01, size=int(np.prod(s))) for s in shapes])
+    kw = {"weights": weights, "gradients": grads, "update": update, "pack_size": 4}
+    for budget in (0.3, 0.8, 1.0):
+        cfg = {"mask": "solver", "budget": budget, "mask_eta_mi": 0.0}
+        paper = choose_mask(cfg, **kw)
+        filled = choose_mask({**cfg, "mask_fill": True}, **kw)
+        assert not (paper.mask & ~filled.mask).any()
+        allowed = 1.0 if budget == 1.0 else math.floor(budget * 212 / 4) * 4 / 212
+        assert filled.ratio == pytest.approx(max(paper.ratio, allowed))
+        if budget == 1.0:
+            assert paper.ratio < 1.0, "eq. 4 alone leaves part of the update in the clear at α = 1"
+            assert filled.mask.all()

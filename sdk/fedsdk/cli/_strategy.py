@@ -38,6 +38,13 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         help="ask each cluster's devices to prefer the packs voted on last round (auto: fedsdk only)",
     )
     g.add_argument(
+        "--mask-fill",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="encrypt everything the budget allows, not only the fewest packs eq. 4-9 need "
+        "(auto: fedsdk only; docs/strategies.md)",
+    )
+    g.add_argument(
         "--coop-decrypt",
         choices=["auto", "on", "off"],
         default="auto",
@@ -64,6 +71,7 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "target_round_s": args.target_round,
         "mask_eta_mi": args.mask_eta_mi,
         "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
+        "mask_fill": None if args.mask_fill == "auto" else args.mask_fill == "on",
         "mask_floor": args.mask_floor,
         "coop_decrypt": None if args.coop_decrypt == "auto" else args.coop_decrypt == "on",
         "share_wait_s": args.share_wait,

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--arms",
         default=DEFAULT_ARMS,
-        help="comma list of strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop] "
+        help="comma list of strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop][+nofill] "
         "(default: %(default)s)",
     )
     p.add_argument("--devices", type=int, default=None, help="override the scenario's fleet size")

@@ -68,12 +68,14 @@ class Arm:
     target_round_s: float | None = None  # deadline budgets aim at this (None: the deadline)
     consensus: bool | None = None  # the consensus mask (None: the strategy's default)
     coop: bool | None = None  # cooperative decryption (None: the strategy's default)
+    fill: bool | None = None  # encrypt all the budget allows (None: the strategy's default)
 
 
 def parse_arm(spec: str) -> Arm:
-    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop]``, e.g. ``plaintext+cluster`` or
-    ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus mask, ``+nocoop`` without
-    cooperative decryption (every device decrypts the whole aggregate)."""
+    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop][+nofill]``, e.g.
+    ``plaintext+cluster`` or ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus
+    mask, ``+nocoop`` without cooperative decryption (every device decrypts the whole aggregate),
+    ``+nofill`` with eq. 4-9's fewest packs only (not everything the budget allows)."""
     from fedsdk_coordinator.strategies import strategy
 
     parts = spec.strip().split("+")
@@ -85,6 +87,7 @@ def parse_arm(spec: str) -> Arm:
     key_mode = "shared"
     consensus: bool | None = None
     coop: bool | None = None
+    fill: bool | None = None
     for m in mods:
         if m == "cluster":
             clustering = True
@@ -94,12 +97,14 @@ def parse_arm(spec: str) -> Arm:
             consensus = False
         elif m == "nocoop":
             coop = False
+        elif m == "nofill":
+            fill = False
         else:
             raise ConfigError(
                 f"unknown arm option {m!r} in {spec!r}: "
-                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop"
+                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop, +nofill"
             )
-    return Arm(spec.strip(), name, clustering, key_mode, consensus=consensus, coop=coop)
+    return Arm(spec.strip(), name, clustering, key_mode, consensus=consensus, coop=coop, fill=fill)
 
 
 def prepare_data(sc: Scenario, work: Path, seed: int) -> dict[str, dict[str, str]]:
@@ -234,6 +239,7 @@ async def run_arm(
         mask_policy=cfg.mask_policy,
         mask_consensus=arm.consensus,
         coop_decrypt=arm.coop,
+        mask_fill=arm.fill,
         **extra,
     )
     t0 = time.monotonic()
