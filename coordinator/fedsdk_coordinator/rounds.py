@@ -138,6 +138,7 @@ class RoundConfig:
     mask_policy: str = "security-first"
     mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
     mask_fill: bool | None = None  # None: the strategy's default (encrypt all the budget allows)
+    mask_leak_db: float | None = None  # None: the strategy's default (fedsdk.leakage; 0 turns it off)
     coop_decrypt: bool | None = None  # None: the strategy's default (coop.py; key mode shared only)
     share_wait_s: float = 1.0  # how long a device waits for the others' shares before decrypting them
     mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
@@ -248,6 +249,10 @@ class RoundEngine:
         self.consensus = bool(wanted) and self.strategy.mask == "solver"
         fill = self.strategy.fill if config.mask_fill is None else config.mask_fill
         self.fill = bool(fill) and self.strategy.mask == "solver"
+        leak = self.strategy.leak_db if config.mask_leak_db is None else config.mask_leak_db
+        if not 0.0 <= leak <= 200.0:
+            raise ConfigError(f"mask_leak_db must be in [0, 200] dB, got {leak}")
+        self.leak_db = float(leak) if self.strategy.mask == "solver" else 0.0
         coop = self.strategy.coop if config.coop_decrypt is None else config.coop_decrypt
         if coop and config.coop_decrypt and self.strategy.backend != "packed":
             raise ConfigError(f"cooperative decryption needs the packed backend, not {self.strategy.name}")
@@ -777,6 +782,7 @@ class RoundEngine:
             "mask_policy": c.mask_policy,
             "mask_floor": c.mask_floor,
             "mask_fill": self.fill,
+            "mask_leak_db": self.leak_db,
             "sketch_dim": c.sketch_dim,
             "sketch_seed": c.seed * 7919 + 1,
             "dp_epsilon": c.dp_epsilon,

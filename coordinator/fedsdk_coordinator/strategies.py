@@ -43,6 +43,7 @@ class Strategy:
     consensus: bool = False  # send the cluster's consensus mask with each task (mask = solver only)
     coop: bool = False  # split each aggregate's decryption among the cluster (packed backend, shared keys)
     fill: bool = False  # encrypt everything the budget allows, not only eq. 4-9's fewest (pipeline.fill_mask)
+    leak_db: float = 0.0  # devices encrypt first-layer rows matching a local sample at this PSNR (leakage.py)
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -52,7 +53,18 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("plain-he", "paillier", False, "full", "all", False),
         Strategy("maskcrypt", "paillier", False, "uniform", "topk", False),
         Strategy("sensecrypt", "paillier", True, "sensecrypt", "solver", False),
-        Strategy("fedsdk", "packed", True, "deadline", "solver", True, consensus=True, coop=True, fill=True),
+        Strategy(
+            "fedsdk",
+            "packed",
+            True,
+            "deadline",
+            "solver",
+            True,
+            consensus=True,
+            coop=True,
+            fill=True,
+            leak_db=20.0,
+        ),
     )
 }
 

@@ -596,9 +596,11 @@ class FedClient:
             update=flat,
             pack_size=self._he.pack_size,
             seed=int(task.config.get("seed", task.round_id)),
+            samples=self._local_xy(task)[0] if self._data is not None else None,
         )
         contribution, enc = pipeline.protect(self._he, flat, result.num_samples, choice.mask)
         metrics.update(choice.seconds)
+        metrics.update(choice.counts)
         metrics.update(enc)
         metrics.update(encrypted_ratio=choice.ratio, covered_sensitivity=choice.covered)
         if choice.gave_way:

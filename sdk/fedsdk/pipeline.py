@@ -35,6 +35,7 @@ import numpy as np
 from fedsdk.crypto import Aggregate as HEAggregate
 from fedsdk.crypto import Contribution, HEBackend
 from fedsdk.errors import ConfigError, CryptoError
+from fedsdk.leakage import leak_packs
 from fedsdk.masking import MaskConfig, floor_packs, pack_sensitivity, parse_floors, solve_mask
 from fedsdk.model import OnnxModel
 from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, join_parts
@@ -153,6 +154,7 @@ class MaskChoice:
     covered: float  # fraction of the total sensitivity inside the mask
     seconds: dict[str, float] = field(default_factory=dict)
     gave_way: str | None = None
+    counts: dict[str, float] = field(default_factory=dict)  # leak_rows, leak_packs (fedsdk.leakage)
 
 
 def fill_mask(
@@ -195,14 +197,20 @@ def choose_mask(
     update: np.ndarray,
     pack_size: int,
     seed: int = 0,
+    samples: np.ndarray | None = None,
 ) -> MaskChoice:
-    """Sensitivity (paper 000 eq. 2 by default), then the mask the task's ``mask`` mode asks for."""
+    """Sensitivity (paper 000 eq. 2 by default), then the mask the task's ``mask`` mode asks for.
+
+    With ``mask_leak_db`` in the task (the ``fedsdk`` strategy) and the device's ``samples``, the packs of
+    first-layer rows that hold one of those samples (:mod:`fedsdk.leakage`) are encrypted first: they join
+    the solver's mask before it is filled to the budget."""
     mode = str(config.get("mask", "solver"))
     n = update.size
     n_packs = math.ceil(n / pack_size)
     if mode == "all":
         return MaskChoice(np.ones(n_packs, dtype=bool), 1.0, 1.0)
     t0 = time.perf_counter()
+    extra: dict[str, float] = {}
     sens = sensitivity(str(config.get("metric", "wg")), weights=weights, gradients=gradients, seed=seed)
     t1 = time.perf_counter()
     budget = float(config.get("budget", 0.1))
@@ -228,6 +236,13 @@ def choose_mask(
         prefer = decode_pack_mask(str(hint), n_packs) if hint else None
         res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
         mask, gave_way = res.mask, res.gave_way
+        leak_db = float(config.get("mask_leak_db", 0.0))
+        if leak_db > 0 and samples is not None:
+            shapes = [tuple(np.shape(w)) for w in weights]
+            forced, leaky = leak_packs(shapes, update, samples, threshold_db=leak_db, pack_size=pack_size)
+            extra["leak_rows"] = float(leaky)
+            extra["leak_packs"] = float((forced & ~mask).sum())
+            mask = mask | forced
         if config.get("mask_fill"):
             mask = fill_mask(mask, pack_sensitivity(sens, pack_size), budget, n, pack_size, prefer)
     else:
@@ -240,7 +255,7 @@ def choose_mask(
     covered = float(sens[hidden].sum()) / total if total > 0 else 1.0
     t2 = time.perf_counter()
     return MaskChoice(
-        mask, float(hidden.mean()), covered, {"sensitivity_s": t1 - t0, "mask_s": t2 - t1}, gave_way
+        mask, float(hidden.mean()), covered, {"sensitivity_s": t1 - t0, "mask_s": t2 - t1}, gave_way, extra
     )
 
 

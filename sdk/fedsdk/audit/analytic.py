@@ -41,7 +41,13 @@ import numpy as np
 
 from fedsdk.errors import ConfigError
 
-__all__ = ["LinearInversion", "invert_linear", "invert_through_linear", "linear_candidates"]
+__all__ = [
+    "LinearInversion",
+    "first_layer_recoveries",
+    "invert_linear",
+    "invert_through_linear",
+    "linear_candidates",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,3 +218,43 @@ def invert_through_linear(
         a = np.clip(a, value_range[0], value_range[1])
     full = np.full(n, int(rank) >= n)
     return LinearInversion(a, full, full.copy())
+
+
+def first_layer_recoveries(
+    update: np.ndarray,
+    visible: np.ndarray,
+    shapes: list[tuple[int, ...]],
+    samples: np.ndarray,
+    value_range: tuple[float, float],
+) -> np.ndarray:
+    """The attack on what a device really sends: per local sample, the best PSNR (dB, over
+    ``value_range``) among candidates built from the first Linear layer's *visible* update entries
+    (``visible``: one bool per value of the flat ``update``; hidden entries are unknown to the attacker):
+    the :func:`linear_candidates` of the rows whose bias entry is visible, and every row with a visible
+    entry scaled to the value range without its bias (sign so that the row is mostly non-negative, its
+    largest value at the top of the range: a hidden bias does not hide a sample whose range is known).
+    Hidden entries of a row get the mean of its visible ones. The first parameter must be an ``(out, in)``
+    Linear weight followed by its bias."""
+    from fedsdk.audit.metrics import psnr
+
+    flat = np.asarray(update, dtype=np.float64).ravel()
+    seen = np.where(np.asarray(visible, dtype=bool), flat, np.nan)
+    (n_out, n_in), n_w = shapes[0], int(np.prod(shapes[0]))
+    if len(shapes) < 2 or tuple(shapes[1]) != (n_out,):
+        raise ConfigError(f"expected an (out, in) Linear weight and its bias first, got {shapes[:2]}")
+    w = seen[:n_w].reshape(n_out, n_in)
+    lo, hi = value_range
+    peak = hi - lo
+    cands = [linear_candidates(w, seen[n_w : n_w + n_out], value_range=value_range)]
+    vis = np.isfinite(w)
+    for r, v in zip(w, vis, strict=True):
+        if not v.any():
+            continue
+        row = np.where(v, r, r[v].mean())
+        row = row * (1.0 if row.sum() >= 0 else -1.0)
+        top = float(row.max())
+        if top > 0:
+            cands.append(np.clip(lo + row / top * peak, lo, hi)[None, :])
+    cands = [np.vstack(cands)]
+    x = np.asarray(samples, dtype=np.float64).reshape(len(samples), -1)
+    return np.array([max(psnr(s, c, data_range=peak) for c in cands[0]) for s in x])

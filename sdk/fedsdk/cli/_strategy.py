@@ -45,6 +45,15 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         "(auto: fedsdk only; docs/strategies.md)",
     )
     g.add_argument(
+        "--mask-leak-db",
+        type=float,
+        default=None,
+        metavar="DB",
+        help="devices encrypt first, whole, the first-layer rows that match one of their own samples at this "
+        "PSNR or more (default: 20 for fedsdk, off for the paper strategies; 0 turns it off; "
+        "docs/strategies.md)",
+    )
+    g.add_argument(
         "--coop-decrypt",
         choices=["auto", "on", "off"],
         default="auto",
@@ -72,6 +81,7 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mask_eta_mi": args.mask_eta_mi,
         "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
         "mask_fill": None if args.mask_fill == "auto" else args.mask_fill == "on",
+        "mask_leak_db": args.mask_leak_db,
         "mask_floor": args.mask_floor,
         "coop_decrypt": None if args.coop_decrypt == "auto" else args.coop_decrypt == "on",
         "share_wait_s": args.share_wait,
