@@ -128,6 +128,7 @@ class RoundConfig:
     key_mode: str = "shared"  # shared | keyserver
     uniform_budget: float = 0.1  # maskcrypt's α
     budget_floor: float = 0.0
+    budget_cap: float = 1.0  # no device's α above this (sensecrypt and deadline budgets; for measurements)
     target_round_s: float | None = None  # the time the deadline budgets aim at (default: deadline_s)
     metric: str = "wg"
     mask_beta1: float = 1.0
@@ -257,6 +258,8 @@ class RoundEngine:
         if coop and config.coop_decrypt and self.strategy.backend != "packed":
             raise ConfigError(f"cooperative decryption needs the packed backend, not {self.strategy.name}")
         self.coop = bool(coop) and self.strategy.backend == "packed" and config.key_mode == "shared"
+        if not 0.0 < config.budget_cap <= 1.0:
+            raise ConfigError(f"budget_cap must be in (0, 1], got {config.budget_cap}")
         if not 0.0 <= config.share_wait_s <= 3600.0:
             raise ConfigError(f"share_wait_s must be in [0, 3600], got {config.share_wait_s}")
         floors = parse_floors(config.mask_floor)  # names checked with the model's layers, below
@@ -700,6 +703,14 @@ class RoundEngine:
 
     def _budgets(
         self, members: Sequence[str], cluster_id: int, shares: dict[str, tuple[float, float]] | None = None
+    ) -> dict[str, float]:
+        budgets = self._uncapped_budgets(members, cluster_id, shares)
+        if self.strategy.budgets in ("sensecrypt", "deadline"):
+            budgets = {c: min(b, self.config.budget_cap) for c, b in budgets.items()}
+        return budgets
+
+    def _uncapped_budgets(
+        self, members: Sequence[str], cluster_id: int, shares: dict[str, tuple[float, float]] | None
     ) -> dict[str, float]:
         kind = self.strategy.budgets
         if kind == "none":

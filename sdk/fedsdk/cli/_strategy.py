@@ -23,6 +23,14 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
     g.add_argument("--dp-epsilon", type=float, default=0.0, help="DP noise on the sketches (0: none)")
     g.add_argument("--uniform-budget", type=float, default=0.1, help="maskcrypt's encrypted fraction")
     g.add_argument("--target-round", type=float, default=None, help="seconds the deadline budgets aim at")
+    g.add_argument(
+        "--budget-cap",
+        type=float,
+        default=1.0,
+        metavar="ALPHA",
+        help="no device's budget α above this (sensecrypt, fedsdk; to measure what a binding budget leaves "
+        "in the clear)",
+    )
     g.add_argument("--mask-eta-mi", type=float, default=2.0, help="eq. 8 bound in bits (0 drops it)")
     g.add_argument(
         "--mask-floor",
@@ -78,6 +86,7 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dp_epsilon": args.dp_epsilon,
         "uniform_budget": args.uniform_budget,
         "target_round_s": args.target_round,
+        "budget_cap": args.budget_cap,
         "mask_eta_mi": args.mask_eta_mi,
         "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
         "mask_fill": None if args.mask_fill == "auto" else args.mask_fill == "on",

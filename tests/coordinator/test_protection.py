@@ -1,0 +1,79 @@
+"""What the coordinator asks devices to protect, per strategy: ``fedsdk`` fills its masks to the budget and
+runs the device's leakage check, the paper strategies keep their papers' objective; the budget cap holds
+every device's α below a chosen value. The device side is in tests/sdk/test_masking.py (fill) and
+tests/sdk/test_leakage.py (the check)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engines import make_engine
+from fedsdk.crypto import HEBackend, generate_backend, load_backend
+from fedsdk.errors import ConfigError
+from fedsdk.protocol import Task, decode
+
+
+@pytest.fixture(scope="module")
+def public() -> dict[str, HEBackend]:
+    out = {}
+    for name in ("packed", "paillier"):
+        full = generate_backend(name, key_bits=1024)
+        out[name] = load_backend(name, full.params, full.public_bytes())
+    return out
+
+
+@pytest.mark.parametrize(
+    "strategy, backend, extra, fill, leak_db",
+    [
+        ("fedsdk", "packed", {}, True, 20.0),  # the default
+        ("fedsdk", "packed", {"mask_fill": False, "mask_leak_db": 0.0}, False, 0.0),
+        ("fedsdk", "packed", {"mask_leak_db": 30.0}, True, 30.0),
+        ("sensecrypt", "paillier", {}, False, 0.0),  # the paper's eq. 4
+        ("maskcrypt", "paillier", {}, False, 0.0),  # top-α, no solver
+        ("plaintext", None, {}, False, 0.0),
+    ],
+)
+def test_what_each_strategy_asks_devices_to_protect(
+    tmp_path: Path,
+    public: dict[str, HEBackend],
+    strategy: str,
+    backend: str | None,
+    extra: dict,
+    fill: bool,
+    leak_db: float,
+) -> None:
+    e = make_engine(tmp_path, public[backend] if backend else None, strategy=strategy, **extra)
+    task = decode(e._task(1, 0, "d0", phase="train", budget=0.5))
+    assert isinstance(task, Task)
+    assert (task.config["mask_fill"], task.config["mask_leak_db"]) == (fill, leak_db)
+    assert task.config["rounds"] == e.config.rounds
+
+
+def test_the_budget_cap_holds_every_alpha_below_it(tmp_path: Path, public: dict[str, HEBackend]) -> None:
+    from fedsdk_coordinator.rounds import _Measured
+
+    members = ["d0", "d1", "d2"]
+    free = make_engine(tmp_path / "a", public["packed"], strategy="fedsdk", clustering=False)
+    capped = make_engine(
+        tmp_path / "b", public["packed"], strategy="fedsdk", clustering=False, budget_cap=0.3
+    )
+    for e in (free, capped):
+        for cid in members:  # fast devices: every one can afford its whole update
+            e.measured[cid] = _Measured(he_values_per_s=1e7, uplink_bytes_per_s=1e8, train_s=0.01)
+    assert all(b == 1.0 for b in free._budgets(members, 0).values())
+    assert all(b == 0.3 for b in capped._budgets(members, 0).values())
+    with pytest.raises(ConfigError, match="budget_cap"):
+        make_engine(tmp_path / "c", public["packed"], strategy="fedsdk", budget_cap=0.0)
+    with pytest.raises(ConfigError, match="mask_leak_db"):
+        make_engine(tmp_path / "d", public["packed"], strategy="fedsdk", mask_leak_db=-1.0)
+
+
+def test_benchmark_arm_turns_the_fill_off() -> None:
+    from fedsdk.fleetbench import parse_arm
+
+    assert parse_arm("fedsdk").fill is None
+    assert parse_arm("fedsdk+nofill").fill is False
+    with pytest.raises(ConfigError, match=r"\+nofill"):
+        parse_arm("fedsdk+fill")
