@@ -140,6 +140,8 @@ class RoundConfig:
     mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
     mask_fill: bool | None = None  # None: the strategy's default (encrypt all the budget allows)
     mask_leak_db: float | None = None  # None: the strategy's default (fedsdk.leakage; 0 turns it off)
+    mask_noise: float = 0.0  # Gaussian noise multiplier on the clear part (fedsdk.noise; 0: none)
+    mask_clip: float = 1.0  # the L2 bound the clear part is clipped to when it is noised
     coop_decrypt: bool | None = None  # None: the strategy's default (coop.py; key mode shared only)
     share_wait_s: float = 1.0  # how long a device waits for the others' shares before decrypting them
     mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
@@ -258,6 +260,10 @@ class RoundEngine:
         if coop and config.coop_decrypt and self.strategy.backend != "packed":
             raise ConfigError(f"cooperative decryption needs the packed backend, not {self.strategy.name}")
         self.coop = bool(coop) and self.strategy.backend == "packed" and config.key_mode == "shared"
+        if config.mask_noise < 0 or not config.mask_clip > 0:
+            raise ConfigError("mask_noise must be >= 0 and mask_clip > 0")
+        if config.mask_noise > 0 and self.strategy.mask in ("none", "all"):
+            raise ConfigError(f"noise on the clear part needs a masking strategy, not {config.strategy}")
         if not 0.0 < config.budget_cap <= 1.0:
             raise ConfigError(f"budget_cap must be in (0, 1], got {config.budget_cap}")
         if not 0.0 <= config.share_wait_s <= 3600.0:
@@ -794,6 +800,8 @@ class RoundEngine:
             "mask_floor": c.mask_floor,
             "mask_fill": self.fill,
             "mask_leak_db": self.leak_db,
+            "mask_noise": c.mask_noise,
+            "mask_clip": c.mask_clip,
             "sketch_dim": c.sketch_dim,
             "sketch_seed": c.seed * 7919 + 1,
             "dp_epsilon": c.dp_epsilon,

@@ -72,6 +72,7 @@ from fedsdk.errors import (
     ValidationError,
 )
 from fedsdk.model import OnnxModel, OnnxTrainer, Trainer, TrainResult
+from fedsdk.noise import noise_clear, rdp_epsilon
 from fedsdk.profile import calibrate_he, device_facts
 from fedsdk.protocol import (
     BYE_LEAVING,
@@ -190,6 +191,7 @@ class FedClient:
         self._last_task_round: int | None = None
         self._answer: _Answer | None = None
         self._model_round = -1  # the round of the model this device holds (-1: none yet)
+        self._dp_rounds = 0  # rounds whose clear part this process released with noise (fedsdk.noise)
         self._reconnected = asyncio.Event()
         self._heard = time.monotonic()  # when the coordinator was last heard from (any message)
         self._last_round_at: float | None = None  # when the federation's last round was applied
@@ -598,6 +600,18 @@ class FedClient:
             seed=int(task.config.get("seed", task.round_id)),
             samples=self._local_xy(task)[0] if self._data is not None else None,
         )
+        z = float(task.config.get("mask_noise", 0.0))
+        if z > 0:  # Gaussian noise on the clear part (fedsdk.noise)
+            clip = float(task.config.get("mask_clip", 1.0))
+            hidden = np.repeat(choice.mask, self._he.pack_size)[: flat.size]
+            flat, factor = noise_clear(flat, hidden, clip=clip, noise_multiplier=z)
+            self._dp_rounds += 1
+            metrics.update(
+                noise_sigma=z * clip,
+                clip_factor=factor,
+                dp_epsilon_round=rdp_epsilon(z, 1),
+                dp_epsilon=rdp_epsilon(z, self._dp_rounds),
+            )
         contribution, enc = pipeline.protect(self._he, flat, result.num_samples, choice.mask)
         metrics.update(choice.seconds)
         metrics.update(choice.counts)

@@ -77,3 +77,17 @@ def test_benchmark_arm_turns_the_fill_off() -> None:
     assert parse_arm("fedsdk+nofill").fill is False
     with pytest.raises(ConfigError, match=r"\+nofill"):
         parse_arm("fedsdk+fill")
+
+
+def test_noise_on_the_clear_part_is_asked_for_and_refused_where_nothing_is_clear(
+    tmp_path: Path, public: dict[str, HEBackend]
+) -> None:
+    e = make_engine(tmp_path / "a", public["packed"], strategy="fedsdk", mask_noise=0.05, mask_clip=2.0)
+    task = decode(e._task(1, 0, "d0", phase="train", budget=0.5))
+    assert isinstance(task, Task)
+    assert (task.config["mask_noise"], task.config["mask_clip"]) == (0.05, 2.0)
+    for strategy, he in (("plaintext", None), ("plain-he", public["paillier"])):
+        with pytest.raises(ConfigError, match="masking strategy"):
+            make_engine(tmp_path / strategy, he, strategy=strategy, mask_noise=0.05)
+    with pytest.raises(ConfigError, match="mask_clip"):
+        make_engine(tmp_path / "c", public["packed"], strategy="fedsdk", mask_noise=0.05, mask_clip=0.0)

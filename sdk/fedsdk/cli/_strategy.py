@@ -62,6 +62,17 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         "docs/strategies.md)",
     )
     g.add_argument(
+        "--mask-noise",
+        type=float,
+        default=0.0,
+        metavar="Z",
+        help="Gaussian noise of Z x --mask-clip on every value a device sends in the clear, after clipping "
+        "them to --mask-clip (opt-in; each update reports its (ε, δ = 1e-5); docs/strategies.md)",
+    )
+    g.add_argument(
+        "--mask-clip", type=float, default=1.0, metavar="C", help="L2 bound of the clear part when noised"
+    )
+    g.add_argument(
         "--coop-decrypt",
         choices=["auto", "on", "off"],
         default="auto",
@@ -91,6 +102,8 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
         "mask_fill": None if args.mask_fill == "auto" else args.mask_fill == "on",
         "mask_leak_db": args.mask_leak_db,
+        "mask_noise": args.mask_noise,
+        "mask_clip": args.mask_clip,
         "mask_floor": args.mask_floor,
         "coop_decrypt": None if args.coop_decrypt == "auto" else args.coop_decrypt == "on",
         "share_wait_s": args.share_wait,
