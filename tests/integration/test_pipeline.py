@@ -103,6 +103,7 @@ def test_every_strategy_completes_its_rounds(runs: dict[str, dict[str, Any]], na
     elif name.startswith("fedsdk"):  # everything the budget allows (pipeline.fill_mask)
         for r in (r for r in s["rounds"] if r["round"] > 0):
             for c in r["clients"].values():  # a budget below 1 is spent to its last whole pack
+                assert c["leak_rows"] is not None, "the device's leakage check ran (fedsdk.leakage)"
                 assert c["encrypted_ratio"] == 1.0 if c["budget"] >= 1.0 else c["encrypted_ratio"] > 0.0, r
     else:  # the papers' objective: the fewest values that meet the constraints
         assert 0.0 < min(ratios) and max(ratios) < 1.0, (name, ratios)

@@ -258,6 +258,8 @@ def _print_progress(store: Any, printed: set[tuple[int, int]], total: int) -> No
 
 TIMINGS = ("train_s", "sensitivity_s", "mask_s", "encrypt_s", "upload_s", "decrypt_s")
 COOP = ("decrypted_packs", "shared_packs")  # cooperative decryption: packs decrypted here, from the others
+# the device's leakage check (fedsdk.leakage) and noise on the clear part (fedsdk.noise)
+PROTECTION = ("leak_rows", "leak_packs", "noise_sigma", "clip_factor", "dp_epsilon_round", "dp_epsilon")
 
 
 def _summary(
@@ -279,6 +281,7 @@ def _summary(
                 "test_accuracy",
                 "decrypted_packs",
                 "shared_packs",
+                *PROTECTION,
             )
             row = {k: m.get(k) for k in keys}
             row.update(
