@@ -37,6 +37,7 @@ from fedsdk.audit.runner import (
     SampleScores,
     run_audit,
 )
+from fedsdk.audit.sent import SentAuditConfig, SentAuditReport, null_scores, run_sent_audit, score_samples
 
 __all__ = [
     "ATTACKS",
@@ -54,6 +55,8 @@ __all__ = [
     "LinearSite",
     "Row",
     "SampleScores",
+    "SentAuditConfig",
+    "SentAuditReport",
     "SingleStep",
     "VisibleGradient",
     "capped_mean",
@@ -70,12 +73,15 @@ __all__ = [
     "linear_candidates",
     "mask_shape",
     "metric_scores",
+    "null_scores",
     "observe",
     "psnr",
     "ranked_mask",
     "ratio_count",
     "restore_labels",
     "run_audit",
+    "run_sent_audit",
+    "score_samples",
     "sign_label",
     "single_step",
     "ssim",
