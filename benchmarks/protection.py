@@ -10,7 +10,8 @@ updates is what devices apply). Each update's mask is made by the device's own c
 (``fedsdk.pipeline.choose_mask``) with the pack size of the packed backend at ``--key-bits``, and noised by
 ``fedsdk.noise.noise_clear`` where asked. The attack (``fedsdk.audit.analytic.first_layer_recoveries``) sees
 the visible entries of the first Linear layer and scores every local sample by its best candidate; a digit
-counts once however many updates give it. Accuracy: each group's model after the last round on the held-out
+counts once however many updates give it, and only when it beats the null attacker (the best of 200
+held-out digits, which needs no update). Accuracy: each group's model after the last round on the held-out
 digits of its classes, averaged over the groups.
 
 Masks: ``eq. 4`` (paper 000's objective alone, the ``fedsdk`` default before the fill), ``filled`` (filled
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk.audit.analytic import first_layer_recoveries
+from fedsdk.audit.sent import null_scores, score_samples
 from fedsdk.crypto import generate_backend
 from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, mlp
 from fedsdk.model.data import load_digits, partition_label_skew
@@ -97,13 +99,16 @@ def replay(
         classes = {int(c) for x, y, gg in devices if gg == g for c in np.unique(y)}
         own = np.isin(test.y_test, sorted(classes))
         accs.append(model.evaluate(models[g], test.x_test[own], test.y_test[own])[1])
-    hits = [int((s >= 25.0).sum()) for s in best]
+    # recovered: at >= 25 dB and better than the null attacker (the best of 200 held-out digits, no update)
+    nulls = [null_scores(x, test.x_test[:200], 1.0) for x, _, _ in devices]
+    hits = [score_samples(s, n, 25.0) for s, n in zip(best, nulls, strict=True)]
     return {
         **setting,
         "encrypted": float(np.mean(encrypted)),
         "recovered_25db": sum(hits),
         "devices_leaking": sum(h > 0 for h in hits),
         "max_db": max(float(s.max()) for s in best),
+        "null_max_db": max(float(n.max()) for n in nulls),
         "accuracy": float(np.mean(accs)),
         "epsilon": rdp_epsilon(setting["noise"], ROUNDS) if setting["noise"] > 0 else None,
     }

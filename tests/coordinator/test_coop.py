@@ -9,18 +9,9 @@ from pathlib import Path
 import pytest
 
 from engines import make_engine
-from fedsdk.crypto import HEBackend, generate_backend, load_backend
+from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError
 from fedsdk.protocol import Task, decode
-
-
-@pytest.fixture(scope="module")
-def public() -> dict[str, HEBackend]:
-    out = {}
-    for name in ("packed", "paillier"):
-        full = generate_backend(name, key_bits=1024)
-        out[name] = load_backend(name, full.params, full.public_bytes())
-    return out
 
 
 @pytest.mark.parametrize(

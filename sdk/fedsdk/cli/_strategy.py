@@ -8,6 +8,15 @@ from typing import Any
 STRATEGIES = ("plaintext", "plain-he", "maskcrypt", "sensecrypt", "fedsdk")
 
 
+def _switch(g: Any, flag: str, help: str) -> None:
+    """An ``auto|on|off`` option: ``auto`` keeps the strategy's default (read with :func:`_tristate`)."""
+    g.add_argument(flag, choices=["auto", "on", "off"], default="auto", help=help)
+
+
+def _tristate(value: str) -> bool | None:
+    return None if value == "auto" else value == "on"
+
+
 def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintext") -> None:
     g = p.add_argument_group("privacy strategy")
     g.add_argument("--strategy", default=default, choices=STRATEGIES, help="see docs/strategies.md")
@@ -39,17 +48,15 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         help="whole Linear layers every device also encrypts, comma separated: first-linear, second-linear, "
         "last-linear (what each stops, measured: docs/audit.md; default none)",
     )
-    g.add_argument(
+    _switch(
+        g,
         "--mask-consensus",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="ask each cluster's devices to prefer the packs voted on last round (auto: fedsdk only)",
+        "ask each cluster's devices to prefer the packs voted on last round (auto: fedsdk only)",
     )
-    g.add_argument(
+    _switch(
+        g,
         "--mask-fill",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="encrypt everything the budget allows, not only the fewest packs eq. 4-9 need "
+        "encrypt everything the budget allows, not only the fewest packs eq. 4-9 need "
         "(auto: fedsdk only; docs/strategies.md)",
     )
     g.add_argument(
@@ -72,11 +79,10 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
     g.add_argument(
         "--mask-clip", type=float, default=1.0, metavar="C", help="L2 bound of the clear part when noised"
     )
-    g.add_argument(
+    _switch(
+        g,
         "--coop-decrypt",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="split each aggregate's decryption among the cluster's devices, key mode shared "
+        "split each aggregate's decryption among the cluster's devices, key mode shared "
         "(auto: fedsdk only; docs/strategies.md)",
     )
     g.add_argument(
@@ -99,12 +105,12 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "target_round_s": args.target_round,
         "budget_cap": args.budget_cap,
         "mask_eta_mi": args.mask_eta_mi,
-        "mask_consensus": None if args.mask_consensus == "auto" else args.mask_consensus == "on",
-        "mask_fill": None if args.mask_fill == "auto" else args.mask_fill == "on",
+        "mask_consensus": _tristate(args.mask_consensus),
+        "mask_fill": _tristate(args.mask_fill),
         "mask_leak_db": args.mask_leak_db,
         "mask_noise": args.mask_noise,
         "mask_clip": args.mask_clip,
         "mask_floor": args.mask_floor,
-        "coop_decrypt": None if args.coop_decrypt == "auto" else args.coop_decrypt == "on",
+        "coop_decrypt": _tristate(args.coop_decrypt),
         "share_wait_s": args.share_wait,
     }

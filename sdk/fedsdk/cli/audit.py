@@ -129,6 +129,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _finish(args: argparse.Namespace, doc: dict[str, Any], protected: bool) -> int:
+    """Write the report to ``--json`` when asked; the exit code ``--check`` asks for."""
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(doc, fh, indent=2)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {args.json}: {exc}") from exc
+    return 1 if args.check and not protected else 0
+
+
 def run_sent(args: argparse.Namespace) -> int:
     from fedsdk.audit import SentAuditConfig, run_sent_audit
     from fedsdk.model.data import load_digits, load_npz, partition_label_skew
@@ -157,13 +168,7 @@ def run_sent(args: argparse.Namespace) -> int:
     )
     report = run_sent_audit(config, x, y, public, value_range=value_range, progress=log.info)
     print("\n".join(report.lines()))
-    if args.json:
-        try:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(report.to_dict(), fh, indent=2)
-        except OSError as exc:
-            raise ConfigError(f"cannot write {args.json}: {exc}") from exc
-    return 1 if args.check and not report.protected else 0
+    return _finish(args, report.to_dict(), report.protected)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,10 +199,4 @@ def run(args: argparse.Namespace) -> int:
     )
     report = run_audit(config, sweep=args.sweep, progress=log.info)
     print(format_report(report))
-    if args.json:
-        try:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(report.to_dict(), fh, indent=2)
-        except OSError as exc:
-            raise ConfigError(f"cannot write {args.json}: {exc}") from exc
-    return 1 if args.check and not report.protected else 0
+    return _finish(args, report.to_dict(), report.protected)
