@@ -971,12 +971,9 @@ class RoundEngine:
         self.detail = f"{why}; waiting up to {c.join_timeout_s:.0f} s for a device to join or return"
         log.error("%s", self.detail)
         await self._set_state("running")
-        end = time.monotonic() + c.join_timeout_s
-        while self._arrivals == self._planned_at:  # no hello since the failed attempt was planned
-            if time.monotonic() >= end:
-                return False
-            self._presence.clear()
-            await _wait(self._presence, end - time.monotonic())
+        # a hello (a device joined or came back) since the failed attempt was planned
+        if not await self._presence_until(lambda: self._arrivals != self._planned_at, c.join_timeout_s):
+            return False
         await asyncio.sleep(min(1.0, c.deadline_s / 10))  # devices joining together join one attempt
         log.info("round %d runs again with %d devices online", round_id, len(self.online))
         self.detail = ""
@@ -994,10 +991,7 @@ class RoundEngine:
                 "round %d waits up to %.0f s for %d devices online before the restart",
                 round_id, c.deadline_s, len(missing),
             )  # fmt: skip
-            end = time.monotonic() + c.deadline_s
-            while self._expected - set(self.online) and time.monotonic() < end:
-                self._presence.clear()
-                await _wait(self._presence, end - time.monotonic())
+            await self._presence_until(lambda: self._expected <= set(self.online), c.deadline_s)
             missing = self._expected - set(self.online)
             if missing:
                 log.warning(
@@ -1035,11 +1029,20 @@ class RoundEngine:
         await self._set_state(state)
         # Devices leave when they see the final status; a coordinator that stops at once (--exit-when-done,
         # and the embedded broker with it) could take the status down before it reached them.
-        end = time.monotonic() + self.config.farewell_s
-        while self.online and time.monotonic() < end:
-            self._presence.clear()
-            await _wait(self._presence, end - time.monotonic())
+        await self._presence_until(lambda: not self.online, self.config.farewell_s)
         self.finished.set()
+
+    async def _presence_until(self, cond: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``cond()`` holds, re-checking on every hello and goodbye, for up to ``timeout``
+        seconds; True if it holds."""
+        end = time.monotonic() + timeout
+        while not cond():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self._presence.clear()
+            await _wait(self._presence, left)
+        return True
 
     async def _wait_quorum(self, round_id: int) -> bool:
         c = self.config
