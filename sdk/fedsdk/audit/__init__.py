@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from fedsdk.audit.analytic import LinearInversion, invert_linear, linear_candidates
 from fedsdk.audit.forward import LinearSite, first_linear, last_linear, layer_input
-from fedsdk.audit.inversion import InversionConfig, InversionResult, invert_gradients, torch_available
-from fedsdk.audit.labels import ilrg_counts, restore_labels, sign_label
+from fedsdk.audit.inversion import (
+    InversionConfig,
+    InversionResult,
+    invert_gradients,
+    invert_local_training,
+    torch_available,
+)
+from fedsdk.audit.labels import ilrg_counts, momentum_gain, restore_labels, sign_label, update_label_counts
 from fedsdk.audit.maskshape import mask_shape
 from fedsdk.audit.metrics import PSNR_CAP, LabelScore, capped_mean, global_ssim, label_scores, psnr, ssim
 from fedsdk.audit.observe import (
@@ -67,12 +73,14 @@ __all__ = [
     "ilrg_counts",
     "invert_gradients",
     "invert_linear",
+    "invert_local_training",
     "label_scores",
     "last_linear",
     "layer_input",
     "linear_candidates",
     "mask_shape",
     "metric_scores",
+    "momentum_gain",
     "null_scores",
     "observe",
     "psnr",
@@ -86,4 +94,5 @@ __all__ = [
     "single_step",
     "ssim",
     "torch_available",
+    "update_label_counts",
 ]

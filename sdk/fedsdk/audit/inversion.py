@@ -31,7 +31,13 @@ import numpy as np
 from fedsdk.errors import ConfigError
 from fedsdk.model.layers import ModelSpec
 
-__all__ = ["InversionConfig", "InversionResult", "invert_gradients", "torch_available"]
+__all__ = [
+    "InversionConfig",
+    "InversionResult",
+    "invert_gradients",
+    "invert_local_training",
+    "torch_available",
+]
 
 
 def torch_available() -> bool:
@@ -141,6 +147,106 @@ def invert_gradients(
                 with torch.no_grad():
                     dummy.clamp_(lo, hi)
             final = float(cost_of(dummy, False).detach())
+            if best is None or final < best.cost:
+                best = InversionResult(dummy.detach().numpy().copy(), final)
+    finally:
+        torch.set_num_threads(threads)
+    assert best is not None
+    return best
+
+
+def invert_local_training(
+    spec: ModelSpec,
+    params: Sequence[np.ndarray],
+    update: Sequence[np.ndarray],
+    labels: np.ndarray,
+    batches: Sequence[np.ndarray],
+    *,
+    lr: float,
+    momentum: float,
+    config: InversionConfig = InversionConfig(),
+    image_shape: tuple[int, int] | None = None,
+    seed: int = 0,
+) -> InversionResult:
+    """Inverting Gradients on a *multi-step* update (Geiping et al. 2020 §6, "federated averaging"): the
+    attacker replays the device's local training on dummy samples, unrolled and differentiable, and matches
+    the update it gets to the observed one.
+
+    ``update`` is the device's ``Δ = w_after − w_before`` (``NaN`` = hidden), ``params`` the weights the
+    device started from; the replay is the device's SGD with momentum (:class:`fedsdk.model.optim.SGD`,
+    PyTorch's heavy-ball form) over ``batches`` (index arrays into the dummies, in the device's order) at
+    ``lr``. Everything a coordinator might not know is given to the attacker, the worst case: the labels,
+    the batch order, the local hyper-parameters (the task config sends the last ones anyway). Cost: cosine
+    distance over the visible entries plus ``tv·TV``, optimised as :func:`invert_gradients` does. The
+    dummy batch has one sample per local sample."""
+    try:
+        import torch
+        from torch.func import functional_call
+    except ImportError as exc:
+        raise ConfigError("the optimisation attack needs PyTorch: pip install torch (CPU build)") from exc
+    from fedsdk.model.torch_bridge import to_torch
+
+    y = np.asarray(labels, dtype=np.int64)
+    lo, hi = config.value_range
+    shape = (len(y), *spec.input_shape)
+    if len(update) != len(spec.param_names) or len(params) != len(update):
+        raise ConfigError(f"expected {len(spec.param_names)} parameter and update arrays")
+    if not lr > 0 or not 0 <= momentum < 1:
+        raise ConfigError("need lr > 0 and momentum in [0, 1)")
+    net = to_torch(spec, params)
+    net.train(False)
+    names = list(spec.param_names)
+    start = [torch.from_numpy(np.asarray(p, dtype=np.float32)) for p in params]
+    vis = [torch.from_numpy(np.isfinite(d)) for d in update]
+    tgt = [
+        torch.from_numpy(np.nan_to_num(np.asarray(d, dtype=np.float64)).astype(np.float32)) for d in update
+    ]
+    t_norm = math.sqrt(sum(float((t * t).sum()) for t in tgt))
+    if t_norm == 0.0:
+        return InversionResult(np.full(shape, 0.5 * (lo + hi), dtype=np.float32), math.nan)
+    yt = torch.from_numpy(y)
+    idx = [torch.from_numpy(np.asarray(b, dtype=np.int64)) for b in batches]
+    iters = config.iterations
+    milestones = [int(iters * f) for f in (3 / 8, 5 / 8, 7 / 8)]
+
+    def cost_of(x: Any, create_graph: bool) -> Any:
+        ws = [s.clone().requires_grad_(True) for s in start]
+        bufs: list[Any] | None = None
+        cur = ws
+        for b in idx:
+            out = functional_call(net, dict(zip(names, cur)), (x[b],))
+            loss = torch.nn.functional.cross_entropy(out, yt[b])
+            gs = torch.autograd.grad(loss, cur, create_graph=True)
+            bufs = list(gs) if bufs is None else [momentum * m + g for m, g in zip(bufs, gs)]
+            cur = [w - lr * m for w, m in zip(cur, bufs)]
+        sim = [c - s for c, s in zip(cur, start)]
+        dot = sum((d * t * m).sum() for d, t, m in zip(sim, tgt, vis))
+        d_norm = torch.sqrt(torch.stack([((d * m) ** 2).sum() for d, m in zip(sim, vis)]).sum())
+        cost = 1.0 - dot / (d_norm * t_norm + 1e-12)
+        return cost if create_graph else cost.detach()
+
+    best: InversionResult | None = None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for restart in range(config.restarts):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + restart)
+            dummy = (lo + (hi - lo) * torch.rand(shape, generator=gen)).requires_grad_(True)
+            opt = torch.optim.Adam([dummy], lr=config.lr)
+            sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
+            for _ in range(iters):
+                opt.zero_grad()
+                total = cost_of(dummy, True)
+                if config.tv > 0 and image_shape is not None:
+                    total = total + config.tv * _tv(dummy.reshape(len(y), -1, *image_shape))
+                total.backward()
+                assert dummy.grad is not None
+                dummy.grad.sign_()
+                opt.step()
+                sched.step()
+                with torch.no_grad():
+                    dummy.clamp_(lo, hi)
+            final = float(cost_of(dummy, False))
             if best is None or final < best.cost:
                 best = InversionResult(dummy.detach().numpy().copy(), final)
     finally:

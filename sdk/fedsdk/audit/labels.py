@@ -18,6 +18,14 @@ the global model, computes ``p̄_c = softmax(W e_c + b)`` and solves, by least s
 (negative → 0) and corrects the sum to ``B`` one unit at a time, largest rounding error first. Under a
 mask: equations whose ``(∂L/∂b)_i`` is hidden are dropped; hidden entries of ``e_c`` get the mean of its
 visible ones; a class whose ``(∂L/∂b)_c`` is hidden gets the mean ``p̄`` of the others (uniform if none).
+
+**A multi-step update** (what devices send: ``T`` minibatch steps of SGD with momentum ``μ`` at rate ``η``):
+the gradient of step ``t`` moves the weights by ``η·Σ_{k=0}^{T−t} μ^k`` in all (it stays in the momentum
+buffer), so with every step's mean gradient taken as the whole local set's mean gradient ``ḡ``,
+``Δ ≈ −η·ḡ·Σ_t Σ_{k=0}^{T−t} μ^k`` and iLRG runs on ``ḡ`` with ``B = N``, the local sample count that
+devices send for FedAvg weighting (:func:`update_label_counts`). The model changes during the steps and the
+batches differ, so this is an approximation the attacker accepts; it gives the local label distribution,
+which is what ``N``-sample label restoration can give.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import numpy as np
 
 from fedsdk.errors import ConfigError
 
-__all__ = ["ilrg_counts", "restore_labels", "sign_label"]
+__all__ = ["ilrg_counts", "momentum_gain", "restore_labels", "sign_label", "update_label_counts"]
 
 
 def _rows(weight_grad: np.ndarray, bias_grad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,3 +131,35 @@ def restore_labels(
         counts[sign_label(weight_grad, bias_grad, rng)] = 1
         return counts
     return ilrg_counts(weight_grad, bias_grad, weight, bias, batch_size)
+
+
+def momentum_gain(steps: int, momentum: float) -> float:
+    """``Σ_{t=1}^{T} Σ_{k=0}^{T−t} μ^k``: how many learning-rate-sized steps ``T`` steps of heavy-ball SGD
+    make of one constant gradient."""
+    if steps < 1 or not 0.0 <= momentum < 1.0:
+        raise ConfigError("need steps >= 1 and momentum in [0, 1)")
+    return float(sum(sum(momentum**k for k in range(steps - t + 1)) for t in range(1, steps + 1)))
+
+
+def update_label_counts(
+    weight_delta: np.ndarray,
+    bias_delta: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    num_samples: int,
+    *,
+    lr: float,
+    momentum: float,
+    batch_size: int,
+    epochs: int = 1,
+) -> np.ndarray:
+    """Per-class counts of a device's ``num_samples`` local labels from the last layer's entries of its
+    multi-step update (``NaN`` = hidden) and the weights it started from: iLRG on the mean gradient the
+    update implies (module docstring)."""
+    if num_samples < 1 or batch_size < 1 or epochs < 1 or not lr > 0:
+        raise ConfigError("need num_samples, batch_size, epochs >= 1 and lr > 0")
+    steps = epochs * -(-num_samples // batch_size)
+    scale = -1.0 / (lr * momentum_gain(steps, momentum))
+    g = np.asarray(weight_delta, dtype=np.float64) * scale
+    b = np.asarray(bias_delta, dtype=np.float64) * scale
+    return ilrg_counts(g, b, weight, bias, num_samples)
