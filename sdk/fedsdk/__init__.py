@@ -24,6 +24,7 @@ from fedsdk.errors import (
     TransportClosed,
     TransportError,
     TransportTimeout,
+    UpdateWithheld,
     ValidationError,
 )
 
@@ -75,6 +76,7 @@ __all__ = [
     "TransportClosed",
     "TransportError",
     "TransportTimeout",
+    "UpdateWithheld",
     "ValidationError",
     "__version__",
 ]

@@ -19,6 +19,14 @@ cluster's model: it starts from the weights of its first task and adds each decr
 After applying an aggregate the device evaluates the model on its evaluation data (when it has any) and
 publishes a :class:`~fedsdk.protocol.Report`, with the round's upload time.
 
+Self-audit (``self_audit=True``, ``fedsdk join --self-audit``; :mod:`fedsdk.selfaudit`): after the mask
+and the noise, before encrypting or sending, the device runs the analytic first-layer attack on exactly
+what the coordinator would see of its update (everything under the ``plaintext`` strategy). When a local
+sample is recovered at ``self_audit_db`` (25 dB) or more, the update is withheld: the task is answered with
+an ``Error`` of code ``self_audit`` and the withheld update is counted (``ClientSummary.withheld``). A sent
+update carries the check's ``self_audit_max_db`` and ``self_audit_s`` in its metrics. Models whose first
+layer is not a Linear layer reading the samples (the ``cnn`` preset) are not audited; this is logged once.
+
 Restarts and reconnects (tracker issue 5, item 5; ``docs/operations.md``, "Crash and restart"):
 
 * The device says hello again when the status carries a new coordinator epoch (a restarted coordinator) and
@@ -69,6 +77,7 @@ from fedsdk.errors import (
     TrainingError,
     TransportClosed,
     TransportError,
+    UpdateWithheld,
     ValidationError,
 )
 from fedsdk.model import OnnxModel, OnnxTrainer, Trainer, TrainResult
@@ -95,6 +104,7 @@ from fedsdk.protocol import (
 )
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import RejectCounter, check_task
+from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB, check_threshold, self_audit
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 
 __all__ = ["ClientSummary", "FedClient", "RoundRecord"]
@@ -125,6 +135,7 @@ class ClientSummary:
     rejected: dict[str, int] = field(default_factory=dict)
     resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
     send_failures: int = 0  # uploads that failed for good (the coordinator asks again when it misses them)
+    withheld: int = 0  # updates not sent because the self-audit recovered local samples from them
     reason: str = ""  # why the run ended as it did, or the last failure (a task or an aggregate refused)
 
 
@@ -171,11 +182,18 @@ class FedClient:
         timeout: float = 10.0,
         intra_op_threads: int = 1,
         probe_bytes: int = 256 * 1024,
+        self_audit: bool = False,
+        self_audit_db: float = DEFAULT_THRESHOLD_DB,
     ) -> None:
         T.validate_config_id(client_id, "client id")
         T.validate_config_id(federation, "federation")
         if data is None and trainer is None:
             raise ConfigError("FedClient needs local data (x, y) or a trainer")
+        self._self_audit_db = check_threshold(self_audit_db)
+        if self_audit and data is None:
+            raise ConfigError("the self-audit needs the local samples: give data=(x, y)")
+        self._self_audit = bool(self_audit)
+        self._self_audit_skip_logged = False
         self.client_id = client_id
         self.federation = federation
         self._data = data
@@ -473,6 +491,15 @@ class FedClient:
             pending = _Pending(task, base)
             self._pending[task.round_id] = pending
             msg, record = await loop.run_in_executor(None, self._train_and_protect, task, base)
+        except UpdateWithheld as exc:
+            self.summary.withheld += 1
+            log.warning("round %d: %s", task.round_id, exc)
+            self.summary.reason = f"round {task.round_id}: {exc}"
+            err = Error(
+                client_id=self.client_id, round_id=task.round_id, code=exc.code, reason=str(exc)[:500]
+            )
+            await self._reply(task, phase, T.ERROR, err)
+            return
         except (FedError, ValueError) as exc:
             log.error("round %d: %s", task.round_id, exc)
             self.summary.reason = f"round {task.round_id}: {exc}"
@@ -579,6 +606,9 @@ class FedClient:
         metrics = {"train_s": result.seconds, "loss": result.loss, "steps": float(result.steps)}
         mode = str(task.config.get("mask", "none"))
         if mode == "none":
+            audit = self._check_own_update(task, base, pipeline.flatten(delta), None)
+            metrics.update(audit)
+            record.update(audit)
             update = Update(
                 client_id=self.client_id,
                 round_id=task.round_id,
@@ -601,9 +631,9 @@ class FedClient:
             samples=self._local_xy(task)[0] if self._data is not None else None,
         )
         z = float(task.config.get("mask_noise", 0.0))
+        hidden = np.repeat(choice.mask, self._he.pack_size)[: flat.size]
         if z > 0:  # Gaussian noise on the clear part (fedsdk.noise)
             clip = float(task.config.get("mask_clip", 1.0))
-            hidden = np.repeat(choice.mask, self._he.pack_size)[: flat.size]
             flat, factor = noise_clear(flat, hidden, clip=clip, noise_multiplier=z)
             self._dp_rounds += 1
             metrics.update(
@@ -612,6 +642,9 @@ class FedClient:
                 dp_epsilon_round=rdp_epsilon(z, 1),
                 dp_epsilon=rdp_epsilon(z, self._dp_rounds),
             )
+        audit = self._check_own_update(task, base, flat, hidden)
+        metrics.update(audit)
+        record.update(audit)
         contribution, enc = pipeline.protect(self._he, flat, result.num_samples, choice.mask)
         metrics.update(choice.seconds)
         metrics.update(choice.counts)
@@ -631,6 +664,32 @@ class FedClient:
             metrics=metrics,
         )
         return msg, record
+
+    def _check_own_update(
+        self, task: Task, base: list[np.ndarray], flat: np.ndarray, hidden: np.ndarray | None
+    ) -> dict[str, float]:
+        """The self-audit (module docstring) of the flat update about to be sent, ``hidden`` marking the
+        values that go encrypted (None: all go in the clear). Raises UpdateWithheld when a local sample is
+        recovered at the threshold; returns the metrics to send with the update (none when it is off or
+        does not apply)."""
+        if not self._self_audit:
+            return {}
+        x = self._local_xy(task)[0]
+        visible = np.ones(flat.size, dtype=bool) if hidden is None else ~hidden
+        shapes = [tuple(w.shape) for w in base]
+        result = self_audit(flat, visible, shapes, x.reshape(len(x), -1), threshold_db=self._self_audit_db)
+        if result.skipped:
+            if not self._self_audit_skip_logged:
+                self._self_audit_skip_logged = True
+                log.info("self-audit skipped: %s; updates are sent without it", result.skipped)
+            return {}
+        if not result.passed:
+            raise UpdateWithheld(result.reason())
+        log.debug(
+            "round %d: self-audit passed (max %.1f dB over %d samples, %.3f s)",
+            task.round_id, result.max_db, result.samples, result.seconds,
+        )  # fmt: skip
+        return {"self_audit_max_db": result.max_db, "self_audit_s": result.seconds}
 
     def _decrypt_packs(self, agg: EncryptedAggregate, cts: list[bytes]) -> list[Any]:
         """Raw decryptions of some of ``agg``'s ciphertexts (in the executor; timed by the caller)."""

@@ -15,7 +15,8 @@ Everything fedsdk raises descends from :class:`FedError`. The branches follow wh
     │   ├── KeyMismatchError   a ciphertext or context under another key
     │   ├── CiphertextError    a ciphertext out of range or of the wrong length
     │   └── EncodingError      values that cannot be encoded safely (NaN/Inf, overflow risk)
-    └── TrainingError          the model or the data on the device
+    ├── TrainingError          the model or the data on the device
+    └── UpdateWithheld         the device's self-audit found its own update leaking: it is not sent
 
 Foreign errors (paho, aiohttp, phe, tenseal, onnxruntime) are converted at the boundary with
 ``raise ... from exc``; where a round and a client are known they are carried on the exception.
@@ -37,6 +38,7 @@ __all__ = [
     "TransportClosed",
     "TransportError",
     "TransportTimeout",
+    "UpdateWithheld",
     "ValidationError",
 ]
 
@@ -116,3 +118,10 @@ class EncodingError(CryptoError):
 
 class TrainingError(FedError):
     """The model, the training graph or the local data is unusable."""
+
+
+class UpdateWithheld(FedError):
+    """The device's self-audit (:mod:`fedsdk.selfaudit`) recovered local samples from the update it was
+    about to send, so the update is withheld. ``code`` is the code of the ``Error`` reply sent instead."""
+
+    code = "self_audit"

@@ -41,6 +41,15 @@ def test_join_reports_an_unreachable_broker(tmp_path: Path) -> None:
     assert "cannot reach the broker" in out.stderr
 
 
+def test_join_refuses_a_self_audit_threshold_that_is_not_positive(tmp_path: Path) -> None:
+    data = tmp_path / "d.npz"
+    save_npz(data, np.zeros((4, 64), np.float32), np.arange(4) % 10)
+    url = "mqtt://127.0.0.1:9"
+    out = fedsdk("join", url, "--insecure", "--data", str(data), "--self-audit", "--self-audit-db", "0")
+    assert out.returncode == 2, out.stderr
+    assert "self-audit threshold must be a finite number of dB > 0" in out.stderr
+
+
 def test_bad_data_file_is_a_config_error(tmp_path: Path) -> None:
     out = fedsdk("join", "mqtt://127.0.0.1:9", "--insecure", "--data", str(tmp_path / "missing.npz"))
     assert out.returncode == 2 and "missing.npz" in out.stderr

@@ -235,8 +235,6 @@ def first_layer_recoveries(
     largest value at the top of the range: a hidden bias does not hide a sample whose range is known).
     Hidden entries of a row get the mean of its visible ones. The first parameter must be an ``(out, in)``
     Linear weight followed by its bias."""
-    from fedsdk.audit.metrics import psnr
-
     flat = np.asarray(update, dtype=np.float64).ravel()
     seen = np.where(np.asarray(visible, dtype=bool), flat, np.nan)
     (n_out, n_in), n_w = shapes[0], int(np.prod(shapes[0]))
@@ -255,6 +253,12 @@ def first_layer_recoveries(
         top = float(row.max())
         if top > 0:
             cands.append(np.clip(lo + row / top * peak, lo, hi)[None, :])
-    cands = [np.vstack(cands)]
+    c = np.vstack(cands)
     x = np.asarray(samples, dtype=np.float64).reshape(len(samples), -1)
-    return np.array([max(psnr(s, c, data_range=peak) for c in cands[0]) for s in x])
+    best = np.empty(len(x))
+    step = max(1, 2_000_000 // max(c.size, 1))  # samples per chunk: ~16 MB of differences at a time
+    for i in range(0, len(x), step):
+        mse = ((x[i : i + step, None, :] - c[None, :, :]) ** 2).mean(axis=2).min(axis=1)
+        with np.errstate(divide="ignore"):
+            best[i : i + step] = 10.0 * np.log10(peak * peak / mse)  # psnr() of the best candidate
+    return best

@@ -11,6 +11,11 @@ Accuracy: each device evaluates every new model of its cluster on the held-out d
 its own data (its own distribution: all classes under an IID split) and reports it; a cluster's accuracy
 is the mean of its devices' reports. Under HE only the devices can see the model. The coordinator also
 evaluates plaintext models on all held-out digits (``test_accuracy`` in the summary).
+
+With ``--self-audit`` every device runs ``fedsdk join --self-audit``: it attacks each update before sending
+it and withholds the ones from which a local sample is recovered (the summary counts them per device). The
+demo's quorum is every device, so a withheld update fails its round; under the ``plaintext`` strategy most
+devices' updates are withheld (``docs/audit.md``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", default="fedsdk-demo-summary.json", metavar="PATH", help="summary file")
     p.add_argument("--insecure", action="store_true", help="plain TCP instead of mutual TLS")
+    p.add_argument(
+        "--self-audit", action="store_true", help="devices withhold updates their own attack recovers"
+    )
     add_strategy_options(p)
     p.set_defaults(func=run)
 
@@ -152,6 +160,8 @@ def _run_in(work: Path, args: argparse.Namespace, co: Any) -> int:
             if strat.pool:
                 extra[cid] += ["--pool", "256"]
         extra[cid] += ["--eval-data", str(files[cid]["eval"])]
+        if args.self_audit:
+            extra[cid] += ["--self-audit"]
     rounds = co.RoundConfig(
         rounds=args.rounds,
         min_clients=args.clients,
@@ -258,8 +268,17 @@ def _print_progress(store: Any, printed: set[tuple[int, int]], total: int) -> No
 
 TIMINGS = ("train_s", "sensitivity_s", "mask_s", "encrypt_s", "upload_s", "decrypt_s")
 COOP = ("decrypted_packs", "shared_packs")  # cooperative decryption: packs decrypted here, from the others
-# the device's leakage check (fedsdk.leakage) and noise on the clear part (fedsdk.noise)
-PROTECTION = ("leak_rows", "leak_packs", "noise_sigma", "clip_factor", "dp_epsilon_round", "dp_epsilon")
+# the device's leakage check (fedsdk.leakage), noise on the clear part (fedsdk.noise) and self-audit
+PROTECTION = (
+    "leak_rows",
+    "leak_packs",
+    "noise_sigma",
+    "clip_factor",
+    "dp_epsilon_round",
+    "dp_epsilon",
+    "self_audit_max_db",
+    "self_audit_s",
+)
 
 
 def _summary(
@@ -335,6 +354,7 @@ def _summary(
             "strategy": args.strategy,
             "key_mode": args.key_mode,
             "dp_epsilon": args.dp_epsilon,
+            "self_audit": args.self_audit,
         },
         "final_accuracy": (sum(final[k] * sizes[k] for k in final) / total) if final else None,
         "cluster_accuracy": {str(k): v for k, v in sorted(final.items())},

@@ -7,6 +7,11 @@ Exit codes: 0 when the federation finished and this device sent at least one upd
 one round's aggregate; 1 when it failed, the coordinator went silent (``--idle-timeout``), ``--timeout``
 passed, or the device contributed no update or applied no aggregate (the reason is printed); 130 on
 SIGINT or SIGTERM, after the device said goodbye, so the coordinator's round does not wait for it.
+
+With ``--self-audit`` the device attacks each update before sending it (the analytic first-layer attack of
+``fedsdk audit --sent`` on the entries the coordinator would see) and withholds it, answering the round
+with an error of code ``self_audit``, when a local sample is recovered at ``--self-audit-db`` (25 dB) or
+more. The last line counts the withheld updates; a device whose every update was withheld exits 1.
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--eval-data", metavar="FILE", help=".npz to evaluate each new model on (reported)")
     p.add_argument("--eval-digits", action="store_true", help="evaluate on the held-out handwritten digits")
+    p.add_argument(
+        "--self-audit",
+        action="store_true",
+        help="attack each update before sending it and withhold it when a local sample is recovered",
+    )
+    p.add_argument(
+        "--self-audit-db",
+        type=float,
+        default=25.0,
+        metavar="DB",
+        help="the PSNR at which a recovered local sample withholds the update (default 25)",
+    )
     add_tls_options(p)
     p.set_defaults(func=run)
 
@@ -105,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             eval_data=eval_data,
             he=he,
             pool_capacity=args.pool,
+            self_audit=args.self_audit,
+            self_audit_db=args.self_audit_db,
         ) as client:
             return await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)
 
@@ -118,12 +137,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(asdict(summary), f, indent=2)
-    applied, trained = len(summary.applied_rounds), len(summary.rounds)
+    applied, trained, withheld = len(summary.applied_rounds), len(summary.rounds), summary.withheld
     ok = summary.state == "finished" and applied > 0 and trained > 0
-    line = f"{client_id}: {summary.state} after {applied} rounds applied ({trained} updates sent)"
+    held = f", {withheld} updates withheld by the self-audit" if withheld else ""
+    line = f"{client_id}: {summary.state} after {applied} rounds applied ({trained} updates sent{held})"
     if not ok:
         if summary.state != "finished":
             reason = summary.reason or summary.state
+        elif trained == 0 and withheld:
+            reason = (
+                "this device contributed no update: the self-audit withheld every update it made; "
+                f"last failure: {summary.reason or 'none reported'}"
+            )
         elif trained == 0:
             reason = f"this device contributed no update; last failure: {summary.reason or 'none reported'}"
         else:
