@@ -3,7 +3,8 @@
 Verdict rules (decided here; the papers give no threshold on these small images):
 
 * a reconstruction attack (analytic, DLG) **protects** when its mean PSNR under the device mask is below
-  ``psnr_threshold`` (12 dB: a constant mid-grey guess of a digit already scores about 8 dB);
+  ``psnr_threshold`` (12 dB: a constant mid-grey guess of a digit already scores about 8 dB) *and* no
+  single sample reaches ``sample_threshold`` (25 dB): a mean hides the one sample an attacker gets back;
 * label restoration protects when its mean label accuracy (instance recall) under the device mask is below
   ``label_threshold`` (0.5);
 * an attack that is weak on the *unmasked* update (analytic below 30 dB, DLG below the threshold) says
@@ -78,7 +79,15 @@ class AuditReport:
             unit = (lambda v: f"{v:.0%}") if attack == "labels" else (lambda v: f"{v:.1f} dB")
             what = _ATTACK_NAME[attack] + (f" of {self.target}" if attack == "analytic" else "")
             ctx = f"no mask {unit(p)}, random mask of the same size {unit(r)}"
-            if self._bad(attack, d):
+            hits = 0
+            if attack != "labels":  # per sample: the best one, and how many reach the sample threshold
+                scores = dev.values(f)
+                hits = sum(v >= cfg.sample_threshold for v in scores)
+                ctx += (
+                    f"; per sample: max {max(scores):.1f} dB, {hits} of {len(scores)} at >= "
+                    f"{cfg.sample_threshold:g} dB"
+                )
+            if self._bad(attack, d) or hits:
                 lines.append(f"NOT PROTECTED: {what} reaches {unit(d)} under {where} ({ctx}).")
             else:
                 lines.append(f"protected: {what} reaches {unit(d)} under {where} ({ctx}).")

@@ -91,6 +91,7 @@ class AuditConfig:
     sweep_metrics: tuple[str, ...] = SWEEP_METRICS
     sweep_ratios: tuple[float, ...] = SWEEP_RATIOS
     psnr_threshold: float = 12.0
+    sample_threshold: float = 25.0  # one sample at or above this is recovered, whatever the mean
     label_threshold: float = 0.5
 
     def __post_init__(self) -> None:
@@ -152,6 +153,10 @@ class Row:
     def mean(self, name: str) -> float | None:
         values = [getattr(s, name) for s in self.samples if getattr(s, name) is not None]
         return capped_mean(values, PSNR_CAP)
+
+    def values(self, name: str) -> list[float]:
+        """Every sample's score, where the attack ran."""
+        return [float(getattr(s, name)) for s in self.samples if getattr(s, name) is not None]
 
     @property
     def encrypted(self) -> float:

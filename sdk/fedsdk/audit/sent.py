@@ -6,24 +6,35 @@ The update is made the way :class:`fedsdk.client.FedClient` makes it: the federa
 the leakage check), the pack size of the packed backend at the federation's key size, and optional noise
 on the clear part (:mod:`fedsdk.noise`). The attacker sees the clear entries only.
 
-Scoring is per local sample:
+Attacks (``attacks``), each given everything a coordinator might not know (labels, batch order, local
+hyper-parameters: the worst case):
 
-* the attack: :func:`fedsdk.audit.analytic.first_layer_recoveries`, every candidate the visible first-layer
-  entries give (bias-anchored rows, and rows scaled to the value range without their bias), the best
-  candidate per sample;
-* the null attacker: the best of ``null_samples`` public samples that are not the device's (held-out
-  digits, or the rest of ``--public``) — what a coordinator knows without any update;
-* a sample counts as **recovered** when the attack reaches ``threshold_db`` (25 dB) *and* beats the null
-  attacker on it. The report gives the count, the maximum and the mean, not only the mean.
+* ``analytic``: :func:`fedsdk.audit.analytic.first_layer_recoveries` on the visible entries of the first
+  Linear layer, every candidate they give (bias-anchored rows, and rows scaled to the value range without
+  their bias), the best candidate per sample. When that layer reads the samples (the MLP presets) it
+  recovers samples; after convolutions (the ``cnn`` preset) it recovers the layer's input, the feature map,
+  which is scored and reported apart (a feature map is not the sample: two max-pools discard most of an
+  8×8 digit; ``benchmarks/protection.py`` measures what inverting an exact one gives back);
+* ``dlg``: Inverting Gradients on the multi-step update
+  (:func:`fedsdk.audit.inversion.invert_local_training`, PyTorch): the device's local training replayed on
+  one dummy per local sample, ``ig_iterations`` (1,500) with ``ig_restarts`` (2) random starts, each local
+  sample scored by its best dummy; skipped with a reason without PyTorch;
+* ``labels``: iLRG on the update (:func:`fedsdk.audit.labels.update_label_counts`): the instance recall of
+  the restored per-class counts, next to a null attacker's (uniform counts).
 
-Decisions: the analytic first-layer attack is the one this mode runs (multi-step updates do not have the
-single-step structure the optimisation attacks assume, and they cost minutes); the single-step, batch-size-1
-audit (``fedsdk audit`` without ``--sent``) stays as the worst case. Only models whose first parameter is a
-Linear weight reading the samples are attacked (the MLP presets); for others the report says so.
+Scoring is per local sample. The null attacker is the best of ``null_samples`` public samples that are not
+the device's (held-out digits, or the rest of ``--public``): what a coordinator knows without any update. A
+sample counts as **recovered** when an attack reaches ``threshold_db`` (25 dB) *and* beats the null
+attacker on it. The report gives the count, the maximum and the mean, not only the mean.
+
+Decisions: the single-step, batch-size-1 audit (``fedsdk audit`` without ``--sent``) stays as the worst
+case. The label restoration gives the local label distribution, which FedAvg's sample count and any
+non-IID federation partly reveal anyway; it is reported, not part of the verdict on samples.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +42,16 @@ from typing import Any
 import numpy as np
 
 from fedsdk.audit.analytic import first_layer_recoveries
+from fedsdk.audit.forward import first_linear, last_linear, layer_input
+from fedsdk.audit.inversion import InversionConfig, invert_local_training, torch_available
+from fedsdk.audit.labels import update_label_counts
 from fedsdk.audit.metrics import psnr
 from fedsdk.errors import ConfigError
 
 __all__ = ["SentAuditConfig", "SentAuditReport", "null_scores", "run_sent_audit", "score_samples"]
 
 MASKS = ("fedsdk", "filled", "eq4", "random")
+SENT_ATTACKS = ("analytic", "labels", "dlg")
 
 
 @dataclass(frozen=True)
@@ -57,8 +72,15 @@ class SentAuditConfig:
     threshold_db: float = 25.0
     null_samples: int = 200
     seed: int = 0
+    attacks: tuple[str, ...] = SENT_ATTACKS
+    ig_iterations: int = 1500
+    ig_restarts: int = 2
+    ig_tv: float | None = None  # None: the preset's (fedsdk.audit.runner.PRESET_TV)
 
     def __post_init__(self) -> None:
+        unknown = set(self.attacks) - set(SENT_ATTACKS)
+        if unknown:
+            raise ConfigError(f"--sent runs {', '.join(SENT_ATTACKS)}; not {', '.join(sorted(unknown))}")
         if self.mask not in MASKS:
             raise ConfigError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
         if not 0.0 <= self.budget <= 1.0:
@@ -75,6 +97,12 @@ class SentAuditReport:
     null_db: np.ndarray = field(repr=False)
     recovered: int = 0
     note: str = ""
+    ig_db: np.ndarray | None = field(default=None, repr=False)
+    feature_db: np.ndarray | None = field(default=None, repr=False)
+    feature_null_db: np.ndarray | None = field(default=None, repr=False)
+    label_recall: float | None = None
+    label_null: float | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def protected(self) -> bool:
@@ -87,23 +115,55 @@ class SentAuditReport:
             f"pack size {self.pack_size}, {self.encrypted:.1%} encrypted"
             + (f", noise Z {c.noise} (C {c.clip})" if c.noise > 0 else "")
         )
+        out = [head]
         if self.note:
-            return [head, f"not attacked: {self.note}"]
-        finite = self.attack_db[np.isfinite(self.attack_db)]
-        mean = float(finite.mean()) if finite.size else float("nan")
-        stats = (
-            f"analytic first-layer attack: max {float(self.attack_db.max()):.1f} dB, mean {mean:.1f} dB; "
-            f"null attacker (best of {c.null_samples} public samples): "
-            f"max {float(self.null_db.max()):.1f} dB; "
-            f"{int((self.attack_db >= c.threshold_db).sum())} samples at >= {c.threshold_db:.0f} dB"
+            out.append(f"note: {self.note}")
+        if np.isfinite(self.attack_db).any():
+            out.append(self._stat_line("analytic first-layer attack", self.attack_db))
+        if self.feature_db is not None and self.feature_null_db is not None:
+            n_feat = score_samples(self.feature_db, self.feature_null_db, c.threshold_db)
+            out.append(
+                f"analytic first-layer attack on the feature maps (not samples): max "
+                f"{float(self.feature_db.max()):.1f} dB; {n_feat} of {self.samples} at >= "
+                f"{c.threshold_db:.0f} dB above the null attacker's feature maps"
+            )
+        if self.ig_db is not None:
+            out.append(
+                self._stat_line(
+                    f"inverting gradients ({c.ig_iterations} iterations, {c.ig_restarts} starts)", self.ig_db
+                )
+            )
+        if self.label_recall is not None:
+            out.append(
+                f"label restoration (iLRG on the update): {self.label_recall:.0%} of the local labels "
+                f"(a uniform guess: {self.label_null:.0%})"
+            )
+        out += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        out.append(
+            f"null attacker (best of {c.null_samples} public samples): max {float(self.null_db.max()):.1f} dB"
         )
-        verdict = (
+        worst = self.best_db()
+        out.append(
             f"protected: no local sample recovered at >= {c.threshold_db:.0f} dB above the null attacker"
             if self.protected
             else f"NOT PROTECTED: {self.recovered} of {self.samples} local samples recovered at "
-            f">= {c.threshold_db:.0f} dB above the null attacker (max {float(self.attack_db.max()):.1f} dB)"
+            f">= {c.threshold_db:.0f} dB above the null attacker (max {float(worst.max()):.1f} dB)"
         )
-        return [head, stats, verdict]
+        return out
+
+    def best_db(self) -> np.ndarray:
+        """Per local sample, the best of the attacks that reconstruct samples."""
+        return self.attack_db if self.ig_db is None else np.maximum(self.attack_db, self.ig_db)
+
+    def _stat_line(self, name: str, db: np.ndarray) -> str:
+        finite = db[np.isfinite(db)]
+        mean = float(np.minimum(finite, 100.0).mean()) if finite.size else float("nan")
+        t = self.config.threshold_db
+        return (
+            f"{name}: max {float(db.max()):.1f} dB, mean {mean:.1f} dB; "
+            f"{int((db >= t).sum())} samples at >= {t:.0f} dB, "
+            f"{score_samples(db, self.null_db, t)} above the null attacker"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +175,11 @@ class SentAuditReport:
             "protected": self.protected,
             "attack_db": [float(v) for v in self.attack_db],
             "null_db": [float(v) for v in self.null_db],
+            "ig_db": None if self.ig_db is None else [float(v) for v in self.ig_db],
+            "feature_db": None if self.feature_db is None else [float(v) for v in self.feature_db],
+            "label_recall": self.label_recall,
+            "label_null": self.label_null,
+            "skipped": self.skipped,
             "note": self.note,
         }
 
@@ -144,10 +209,11 @@ def run_sent_audit(
     progress: Callable[[str], None] | None = None,
 ) -> SentAuditReport:
     """Train on ``(x, y)`` as a device would, mask (and noise) as it would, and attack what is sent."""
+    from fedsdk.audit.runner import PRESET_TV
     from fedsdk.crypto import generate_backend
     from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, lenet, mlp
     from fedsdk.noise import noise_clear
-    from fedsdk.pipeline import choose_mask, flatten
+    from fedsdk.pipeline import choose_mask, flatten, unflatten
 
     say = progress or (lambda _m: None)
     c = config
@@ -194,11 +260,65 @@ def run_sent_audit(
     encrypted = float(hidden.mean())
     null = null_scores(xs, public[: c.null_samples], hi - lo)
     report = SentAuditReport(c, len(y), encrypted, pack, np.full(len(y), -np.inf), null)
-    first = shapes[0]
-    if len(first) != 2 or len(shapes) < 2 or tuple(shapes[1]) != (first[0],) or first[1] != xs[0].size:
-        report.note = "the first layer does not read the samples (a convolution): use the worst-case audit"
-        return report
-    say("analytic first-layer attack on the visible entries")
-    report.attack_db = first_layer_recoveries(update, ~hidden, shapes, xs, (lo, hi))
-    report.recovered = score_samples(report.attack_db, null, c.threshold_db)
+    seen = unflatten(np.where(hidden, np.nan, update.astype(np.float64)), shapes)
+    site = first_linear(spec)
+    if "analytic" in c.attacks:
+        say("analytic first-layer attack on the visible entries")
+        if site.sees_input:
+            report.attack_db = first_layer_recoveries(update, ~hidden, shapes, xs, (lo, hi))
+        else:
+            start = sum(int(np.prod(s)) for s in shapes[: site.weight])
+            feats = layer_input(spec, base, xin, site.layer)
+            pub = layer_input(spec, base, np.asarray(public[: c.null_samples]).reshape(-1, *spec.input_shape),
+                              site.layer)  # fmt: skip
+            top = float(feats.max()) if float(feats.max()) > 0 else 1.0
+            report.feature_db = first_layer_recoveries(
+                update[start:], ~hidden[start:], shapes[site.weight :], feats, (0.0, top)
+            )
+            report.feature_null_db = null_scores(feats, pub, top)
+            report.note = "the first Linear layer reads feature maps: the analytic attack recovers those"
+    if "labels" in c.attacks:
+        last = last_linear(spec)
+        lw, lb = last.weight, last.bias
+        assert lb is not None
+        true = np.bincount(np.asarray(y, dtype=np.int64), minlength=shapes[lb][0])
+
+        def recall(w: np.ndarray, b: np.ndarray) -> float:
+            k = update_label_counts(
+                w, b, base[lw], base[lb], len(y),
+                lr=c.lr, momentum=c.momentum, batch_size=c.batch_size, epochs=c.epochs,
+            )  # fmt: skip
+            return float(np.minimum(k, true).sum() / len(y))
+
+        report.label_recall = recall(seen[lw], seen[lb])
+        report.label_null = recall(np.full(shapes[lw], np.nan), np.full(shapes[lb], np.nan))
+    if "dlg" in c.attacks:
+        if not torch_available():
+            report.skipped["dlg"] = "needs PyTorch (pip install torch, CPU build)"
+        else:
+            say(
+                f"inverting gradients: {c.ig_iterations} iterations × {c.ig_restarts} starts, "
+                f"{len(y)} dummies"
+            )
+            rng = np.random.default_rng(c.round_seed)  # OnnxTrainer.fit's shuffles, in order
+            order = np.concatenate([rng.permutation(len(y)) for _ in range(c.epochs)])
+            n = len(y)
+            batches = [
+                order[e * n + i : e * n + min(i + c.batch_size, n)]
+                for e in range(c.epochs)
+                for i in range(0, n, c.batch_size)
+            ]
+            side = math.isqrt(int(np.prod(spec.input_shape)))
+            inv = invert_local_training(
+                spec, base, seen, np.asarray(y), batches, lr=c.lr, momentum=c.momentum,
+                config=InversionConfig(
+                    iterations=c.ig_iterations, restarts=c.ig_restarts,
+                    tv=PRESET_TV.get(c.model, 1e-3) if c.ig_tv is None else c.ig_tv, value_range=(lo, hi),
+                ),
+                image_shape=(side, side) if side * side == int(np.prod(spec.input_shape)) else None,
+                seed=c.seed,
+            )  # fmt: skip
+            flat_x, flat_r = xs.reshape(n, -1), inv.x.reshape(n, -1)
+            report.ig_db = np.array([max(psnr(s, r, data_range=hi - lo) for r in flat_r) for s in flat_x])
+    report.recovered = score_samples(report.best_db(), null, c.threshold_db)
     return report

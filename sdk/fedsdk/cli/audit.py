@@ -95,8 +95,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--attacks",
         type=_names,
-        default=ATTACKS,
-        help=f"comma-separated subset of {','.join(ATTACKS)} (default: all; dlg needs PyTorch)",
+        default=None,
+        help=f"comma-separated subset of {','.join(ATTACKS)} (default: all; with --sent: "
+        "analytic,labels,dlg; dlg needs PyTorch)",
     )
     p.add_argument("--sweep", action="store_true", help="also sweep encrypted ratios for each metric")
     p.add_argument(
@@ -110,10 +111,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--lr", type=float, default=0.05, help="the federation's learning rate η (default 0.05)")
     p.add_argument(
-        "--dlg-iterations", type=int, default=300, help="optimisation attack iterations (default 300)"
+        "--dlg-iterations", type=int, default=1500, help="optimisation attack iterations (default 1500)"
     )
     p.add_argument(
-        "--dlg-restarts", type=int, default=1, help="optimisation attack random starts (default 1)"
+        "--dlg-restarts", type=int, default=2, help="optimisation attack random starts (default 2)"
     )
     p.add_argument(
         "--dlg-tv",
@@ -142,6 +143,7 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], protected: bool) -> i
 
 def run_sent(args: argparse.Namespace) -> int:
     from fedsdk.audit import SentAuditConfig, run_sent_audit
+    from fedsdk.audit.sent import SENT_ATTACKS
     from fedsdk.model.data import load_digits, load_npz, partition_label_skew
 
     digits = load_digits(shape="flat")
@@ -165,6 +167,10 @@ def run_sent(args: argparse.Namespace) -> int:
         lr=args.lr,
         null_samples=args.null_samples,
         seed=args.seed,
+        ig_iterations=args.dlg_iterations,
+        ig_restarts=args.dlg_restarts,
+        ig_tv=args.dlg_tv,
+        attacks=SENT_ATTACKS if args.attacks is None else tuple(args.attacks),
     )
     report = run_sent_audit(config, x, y, public, value_range=value_range, progress=log.info)
     print("\n".join(report.lines()))
@@ -172,7 +178,7 @@ def run_sent(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedsdk.audit import AuditConfig, InversionConfig, format_report, run_audit
+    from fedsdk.audit import ATTACKS, AuditConfig, InversionConfig, format_report, run_audit
     from fedsdk.masking import MaskConfig
 
     if args.sent:
@@ -189,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         budget=args.budget,
         mask=mask,
         floor=tuple(args.mask_floor),
-        attacks=tuple(args.attacks),
+        attacks=ATTACKS if args.attacks is None else tuple(args.attacks),
         lr=args.lr,
         seed=args.seed,
         inversion=InversionConfig(iterations=args.dlg_iterations, restarts=args.dlg_restarts),

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -77,3 +78,62 @@ def test_the_command_exits_1_with_check_when_a_sample_is_recovered() -> None:
     new = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert old.returncode == 1 and "NOT PROTECTED" in old.stdout, old.stdout + old.stderr
     assert new.returncode == 0 and "protected: no local sample" in new.stdout, new.stdout + new.stderr
+
+
+def test_on_the_cnn_the_first_linear_layer_gives_feature_maps_not_samples(
+    device0: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    x, y, public = device0
+    config = SentAuditConfig(
+        model="cnn", mask="eq4", budget=0.3, pack_size=52, attacks=("analytic", "labels")
+    )
+    report = run_sent_audit(config, x, y, public, value_range=(0.0, 1.0))
+    assert report.feature_db is not None and report.feature_null_db is not None
+    assert float(report.feature_db.max()) >= 25  # eq. 4 leaves feature-map rows in the clear
+    assert report.protected  # ... which are not samples: the verdict is on images
+    assert any("feature maps (not samples)" in line for line in report.lines())
+    assert report.label_recall is not None and report.label_null is not None
+
+
+def test_inverting_gradients_on_the_sent_update_is_scored_per_sample_or_skipped_with_a_reason(
+    device0: tuple[np.ndarray, np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, y, public = device0
+    config = SentAuditConfig(
+        mask="random",
+        budget=0.1,
+        pack_size=52,
+        batch_size=3,
+        attacks=("dlg",),
+        ig_iterations=100,
+        ig_restarts=1,
+    )
+    if importlib.util.find_spec("torch") is not None:
+        report = run_sent_audit(config, x[:6], y[:6], public, value_range=(0.0, 1.0))
+        assert report.ig_db is not None and report.ig_db.shape == (6,)
+        assert np.array_equal(report.best_db(), report.ig_db)  # the analytic attack did not run
+        assert any(line.startswith("inverting gradients (100 iterations") for line in report.lines())
+    monkeypatch.setitem(sys.modules, "torch", None)
+    report = run_sent_audit(config, x[:6], y[:6], public, value_range=(0.0, 1.0))
+    assert report.ig_db is None and "PyTorch" in report.skipped["dlg"]
+
+
+def test_the_worst_case_verdict_counts_a_single_recovered_sample_whatever_the_mean() -> None:
+    from fedsdk.audit import AuditConfig, AuditReport, Row, SampleScores
+
+    def row(name: str, scores: list[float]) -> Row:
+        return Row(name, None, None, tuple(SampleScores(0.1, dlg_psnr=v) for v in scores))
+
+    one_of_eight = [30.0] + [8.0] * 7  # mean 10.8 dB, under the 12 dB mean threshold
+    report = AuditReport(
+        AuditConfig(attacks=("dlg",)), "images", 4810,
+        (row("no mask", [40.0] * 8), row("device mask", one_of_eight), row("random mask", [9.0] * 8)),
+        (), {"ratio": 0.1, "covered_sensitivity": 0.9, "security_level": 0.7, "gave_way": ""}, {}, 0.0,
+    )  # fmt: skip
+    assert not report.protected
+    assert "1 of 8 at >= 25 dB" in report.findings()[0]
+    flat = AuditReport(
+        report.config, "images", 4810, (report.rows[0], row("device mask", [8.0] * 8), report.rows[2]),
+        (), report.solver, {}, 0.0,
+    )  # fmt: skip
+    assert flat.protected
