@@ -80,8 +80,8 @@ class AuditReport:
             what = _ATTACK_NAME[attack] + (f" of {self.target}" if attack == "analytic" else "")
             ctx = f"no mask {unit(p)}, random mask of the same size {unit(r)}"
             hits = 0
-            if attack != "labels":  # per sample: the best one, and how many reach the sample threshold
-                scores = dev.values(f)
+            scores = dev.values(f) if attack != "labels" else []
+            if scores:  # per sample: the best one, and how many reach the sample threshold
                 hits = sum(v >= cfg.sample_threshold for v in scores)
                 ctx += (
                     f"; per sample: max {max(scores):.1f} dB, {hits} of {len(scores)} at >= "
