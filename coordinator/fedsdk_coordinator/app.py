@@ -31,7 +31,7 @@ from aiohttp import web
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError, TransportClosed
 from fedsdk.hekeys import load_he
-from fedsdk.model import build_graphs, init_params, lenet, mlp
+from fedsdk.model import build_graphs, init_params, preset
 from fedsdk.model.data import load_digits
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
@@ -75,13 +75,8 @@ def model_for(name: str) -> tuple[Any, Literal["flat", "image"]]:
     ``mlp`` (64 hidden units), ``mlpN`` (N hidden units, e.g. ``mlp16`` for the per-value HE baselines,
     which cost seconds per thousand values), ``cnn`` (the LeNet-style preset).
     """
-    if name == "mlp":
-        return mlp(), "flat"
-    if name.startswith("mlp") and name[3:].isdigit() and int(name[3:]) > 0:
-        return mlp(hidden=(int(name[3:]),)), "flat"
-    if name in ("cnn", "lenet"):
-        return lenet(), "image"
-    raise ConfigError(f"unknown model {name!r}: choose mlp, mlpN or cnn")
+    spec = preset(name)
+    return spec, "image" if len(spec.input_shape) > 1 else "flat"
 
 
 def load_public_he(he_dir: Path | None) -> HEBackend | None:

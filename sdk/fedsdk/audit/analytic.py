@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedsdk.audit.metrics import best_match_db
 from fedsdk.errors import ConfigError
 
 __all__ = [
@@ -253,12 +254,4 @@ def first_layer_recoveries(
         top = float(row.max())
         if top > 0:
             cands.append(np.clip(lo + row / top * peak, lo, hi)[None, :])
-    c = np.vstack(cands)
-    x = np.asarray(samples, dtype=np.float64).reshape(len(samples), -1)
-    best = np.empty(len(x))
-    step = max(1, 2_000_000 // max(c.size, 1))  # samples per chunk: ~16 MB of differences at a time
-    for i in range(0, len(x), step):
-        mse = ((x[i : i + step, None, :] - c[None, :, :]) ** 2).mean(axis=2).min(axis=1)
-        with np.errstate(divide="ignore"):
-            best[i : i + step] = 10.0 * np.log10(peak * peak / mse)  # psnr() of the best candidate
-    return best
+    return best_match_db(samples, np.vstack(cands), peak)

@@ -75,6 +75,16 @@ class InversionResult:
     cost: float
 
 
+def _observed(arrays: Sequence[np.ndarray]) -> tuple[list[Any], list[Any], float]:
+    """The attacker's target: per array, the visible-entry masks (``NaN`` = hidden) and the values as
+    float32 tensors (hidden as 0), and the target's norm."""
+    import torch
+
+    vis = [torch.from_numpy(np.isfinite(a)) for a in arrays]
+    tgt = [torch.from_numpy(np.nan_to_num(np.asarray(a, np.float64)).astype(np.float32)) for a in arrays]
+    return vis, tgt, math.sqrt(sum(float((t * t).sum()) for t in tgt))
+
+
 def _tv(img: Any) -> Any:
     return (img[..., 1:, :] - img[..., :-1, :]).abs().mean() + (
         img[..., :, 1:] - img[..., :, :-1]
@@ -110,10 +120,8 @@ def invert_gradients(
     net.train(False)
     named = dict(net.named_parameters())
     ps = [named[n] for n in spec.param_names]
-    vis = [torch.from_numpy(np.isfinite(g)) for g in grads]
-    tgt = [torch.from_numpy(np.nan_to_num(np.asarray(g, dtype=np.float64)).astype(np.float32)) for g in grads]
-    t_norm = math.sqrt(sum(float((t * t).sum()) for t in tgt))
-    if t_norm == 0.0:
+    vis, tgt, t_norm = _observed(grads)
+    if t_norm == 0.0:  # nothing to match: the prior guess
         return InversionResult(np.full(shape, 0.5 * (lo + hi), dtype=np.float32), math.nan)
     yt = torch.from_numpy(y)
 
@@ -215,11 +223,7 @@ def invert_local_training(
     net.train(False)
     names = list(spec.param_names)
     start = [torch.from_numpy(np.asarray(p, dtype=np.float32)) for p in params]
-    vis = [torch.from_numpy(np.isfinite(d)) for d in update]
-    tgt = [
-        torch.from_numpy(np.nan_to_num(np.asarray(d, dtype=np.float64)).astype(np.float32)) for d in update
-    ]
-    t_norm = math.sqrt(sum(float((t * t).sum()) for t in tgt))
+    vis, tgt, t_norm = _observed(update)
     if t_norm == 0.0:
         return InversionResult(np.full(shape, 0.5 * (lo + hi), dtype=np.float32), math.nan)
     yt = torch.from_numpy(y)

@@ -45,10 +45,22 @@ from fedsdk.audit.analytic import first_layer_recoveries
 from fedsdk.audit.forward import first_linear, last_linear, layer_input
 from fedsdk.audit.inversion import InversionConfig, invert_local_training, torch_available
 from fedsdk.audit.labels import update_label_counts
-from fedsdk.audit.metrics import psnr
+from fedsdk.audit.metrics import best_match_db
 from fedsdk.errors import ConfigError
+from fedsdk.model.layers import ModelSpec
 
-__all__ = ["SentAuditConfig", "SentAuditReport", "null_scores", "run_sent_audit", "score_samples"]
+__all__ = [
+    "SentAuditConfig",
+    "SentAuditReport",
+    "feature_map_scores",
+    "label_recall",
+    "null_scores",
+    "replayed_inversion_scores",
+    "run_sent_audit",
+    "score_samples",
+    "sent_mask",
+    "trainer_batches",
+]
 
 MASKS = ("fedsdk", "filled", "eq4", "random")
 SENT_ATTACKS = ("analytic", "labels", "dlg")
@@ -186,17 +198,128 @@ class SentAuditReport:
 
 def null_scores(samples: np.ndarray, public: np.ndarray, data_range: float) -> np.ndarray:
     """Per sample, the PSNR of the best public sample: what an attacker gets with no update at all."""
-    x = np.asarray(samples, dtype=np.float64).reshape(len(samples), -1)
-    p = np.asarray(public, dtype=np.float64).reshape(len(public), -1)
-    if p.size == 0:
-        return np.full(len(x), -np.inf)
-    return np.array([max(psnr(s, q, data_range=data_range) for q in p) for s in x])
+    return best_match_db(samples, public, data_range)
 
 
 def score_samples(attack_db: np.ndarray, null_db: np.ndarray, threshold_db: float) -> int:
     """Samples the attack recovers: at or above the threshold and better than the null attacker."""
     a, n = np.asarray(attack_db), np.asarray(null_db)
     return int(((a >= threshold_db) & (a > n)).sum())
+
+
+def sent_mask(
+    kind: str,
+    budget: float,
+    seed: int,
+    *,
+    weights: Any,
+    gradients: Any,
+    update: np.ndarray,
+    pack_size: int,
+    samples: np.ndarray,
+    leak_db: float = 20.0,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """The pack mask a device sends under mask ``kind`` (:data:`MASKS`): ``eq4`` paper 000's objective alone,
+    ``filled`` filled to α, ``fedsdk`` the leakage check then filled, ``random`` as many packs as ``fedsdk``
+    chosen by ``rng``."""
+    from fedsdk.pipeline import choose_mask
+
+    if kind not in MASKS:
+        raise ConfigError(f"mask must be one of {', '.join(MASKS)}, got {kind!r}")
+    task: dict[str, Any] = {"mask": "solver", "budget": budget, "seed": seed}
+    if kind in ("fedsdk", "filled", "random"):
+        task["mask_fill"] = True
+    if kind in ("fedsdk", "random"):
+        task["mask_leak_db"] = leak_db
+    mask = choose_mask(
+        task, weights=weights, gradients=gradients, update=update, pack_size=pack_size, samples=samples
+    ).mask
+    if kind == "random":
+        gen = rng if rng is not None else np.random.default_rng(seed)
+        k = int(mask.sum())
+        mask = np.zeros_like(mask)
+        mask[gen.choice(mask.size, size=k, replace=False)] = True
+    return mask
+
+
+def feature_map_scores(
+    spec: ModelSpec,
+    base: list[np.ndarray],
+    update: np.ndarray,
+    hidden: np.ndarray,
+    x: np.ndarray,
+    public: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The analytic attack on a first Linear layer that reads feature maps (after convolutions): per local
+    sample, the PSNR of its best candidate against its true feature map (``base`` weights), and the null
+    attacker's (the best of ``public``'s feature maps), over the local feature range."""
+    site = first_linear(spec)
+    shapes = [tuple(w.shape) for w in base]
+    start = sum(int(np.prod(s)) for s in shapes[: site.weight])
+    feats = layer_input(spec, base, np.asarray(x).reshape(-1, *spec.input_shape), site.layer)
+    pub = layer_input(spec, base, np.asarray(public).reshape(-1, *spec.input_shape), site.layer)
+    top = float(feats.max()) if float(feats.max()) > 0 else 1.0
+    scores = first_layer_recoveries(update[start:], ~hidden[start:], shapes[site.weight :], feats, (0.0, top))
+    return scores, null_scores(feats, pub, top)
+
+
+def label_recall(
+    spec: ModelSpec,
+    base: list[np.ndarray],
+    seen: list[np.ndarray],
+    y: np.ndarray,
+    *,
+    lr: float,
+    momentum: float,
+    batch_size: int,
+    epochs: int = 1,
+) -> float:
+    """iLRG on the visible last layer of a multi-step update (``seen``: ``NaN`` = hidden): the instance
+    recall of the restored label counts."""
+    last = last_linear(spec)
+    assert last.bias is not None
+    counts = update_label_counts(
+        seen[last.weight], seen[last.bias], base[last.weight], base[last.bias], len(y),
+        lr=lr, momentum=momentum, batch_size=batch_size, epochs=epochs,
+    )  # fmt: skip
+    true = np.bincount(np.asarray(y, dtype=np.int64), minlength=len(counts))
+    return float(np.minimum(counts, true).sum() / len(y))
+
+
+def trainer_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[np.ndarray]:
+    """The minibatches :meth:`fedsdk.model.OnnxTrainer.fit` draws with ``seed``, in order."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        batches += [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    return batches
+
+
+def replayed_inversion_scores(
+    spec: ModelSpec,
+    base: list[np.ndarray],
+    seen: list[np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    batches: list[np.ndarray],
+    *,
+    lr: float,
+    momentum: float,
+    config: InversionConfig,
+    seed: int = 0,
+) -> np.ndarray:
+    """Inverting Gradients on a multi-step update with the local training replayed
+    (:func:`fedsdk.audit.inversion.invert_local_training`): per local sample, the PSNR of its best dummy."""
+    n_in = int(np.prod(spec.input_shape))
+    side = math.isqrt(n_in)
+    inv = invert_local_training(
+        spec, base, seen, np.asarray(y), batches, lr=lr, momentum=momentum, config=config,
+        image_shape=(side, side) if side * side == n_in else None, seed=seed,
+    )  # fmt: skip
+    lo, hi = config.value_range
+    return best_match_db(np.asarray(x).reshape(len(y), -1), inv.x.reshape(len(y), -1), hi - lo)
 
 
 def run_sent_audit(
@@ -211,20 +334,13 @@ def run_sent_audit(
     """Train on ``(x, y)`` as a device would, mask (and noise) as it would, and attack what is sent."""
     from fedsdk.audit.runner import PRESET_TV
     from fedsdk.crypto import generate_backend
-    from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, lenet, mlp
+    from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, preset
     from fedsdk.noise import noise_clear
-    from fedsdk.pipeline import choose_mask, flatten, unflatten
+    from fedsdk.pipeline import flatten, unflatten
 
     say = progress or (lambda _m: None)
     c = config
-    if c.model == "mlp":
-        spec = mlp()
-    elif c.model.startswith("mlp") and c.model[3:].isdigit():
-        spec = mlp(hidden=(int(c.model[3:]),))
-    elif c.model == "cnn":
-        spec = lenet()
-    else:
-        raise ConfigError(f"unknown model {c.model!r}: mlp, mlpN or cnn")
+    spec = preset(c.model)
     pack = c.pack_size
     if pack is None:
         say(f"packed backend at {c.key_bits} bits (for its pack size)")
@@ -241,19 +357,10 @@ def run_sent_audit(
         model, xin, y, lr=c.lr, momentum=c.momentum, batch_size=c.batch_size, epochs=c.epochs
     ).fit(base, seed=c.round_seed)
     update = flatten([np.asarray(a, np.float32) - b for a, b in zip(fit.weights, base, strict=True)])
-    task: dict[str, Any] = {"mask": "solver", "budget": c.budget, "seed": c.round_seed}
-    if c.mask in ("fedsdk", "filled", "random"):
-        task["mask_fill"] = True
-    if c.mask in ("fedsdk", "random"):
-        task["mask_leak_db"] = c.leak_db
-    mask = choose_mask(
-        task, weights=fit.weights, gradients=fit.gradients, update=update, pack_size=pack, samples=xin
-    ).mask
-    if c.mask == "random":  # as many packs as the fedsdk mask, at random
-        rng = np.random.default_rng(c.seed)
-        k = int(mask.sum())
-        mask = np.zeros_like(mask)
-        mask[rng.choice(mask.size, size=k, replace=False)] = True
+    mask = sent_mask(
+        c.mask, c.budget, c.round_seed, weights=fit.weights, gradients=fit.gradients, update=update,
+        pack_size=pack, samples=xin, leak_db=c.leak_db, rng=np.random.default_rng(c.seed),
+    )  # fmt: skip
     hidden = np.repeat(mask, pack)[: update.size]
     if c.noise > 0:
         update, _ = noise_clear(update, hidden, clip=c.clip, noise_multiplier=c.noise)
@@ -267,31 +374,19 @@ def run_sent_audit(
         if site.sees_input:
             report.attack_db = first_layer_recoveries(update, ~hidden, shapes, xs, (lo, hi))
         else:
-            start = sum(int(np.prod(s)) for s in shapes[: site.weight])
-            feats = layer_input(spec, base, xin, site.layer)
-            pub = layer_input(spec, base, np.asarray(public[: c.null_samples]).reshape(-1, *spec.input_shape),
-                              site.layer)  # fmt: skip
-            top = float(feats.max()) if float(feats.max()) > 0 else 1.0
-            report.feature_db = first_layer_recoveries(
-                update[start:], ~hidden[start:], shapes[site.weight :], feats, (0.0, top)
+            report.feature_db, report.feature_null_db = feature_map_scores(
+                spec, base, update, hidden, xin, np.asarray(public[: c.null_samples])
             )
-            report.feature_null_db = null_scores(feats, pub, top)
             report.note = "the first Linear layer reads feature maps: the analytic attack recovers those"
     if "labels" in c.attacks:
-        last = last_linear(spec)
-        lw, lb = last.weight, last.bias
-        assert lb is not None
-        true = np.bincount(np.asarray(y, dtype=np.int64), minlength=shapes[lb][0])
 
-        def recall(w: np.ndarray, b: np.ndarray) -> float:
-            k = update_label_counts(
-                w, b, base[lw], base[lb], len(y),
-                lr=c.lr, momentum=c.momentum, batch_size=c.batch_size, epochs=c.epochs,
-            )  # fmt: skip
-            return float(np.minimum(k, true).sum() / len(y))
+        def recall(view: list[np.ndarray]) -> float:
+            return label_recall(
+                spec, base, view, y, lr=c.lr, momentum=c.momentum, batch_size=c.batch_size, epochs=c.epochs
+            )
 
-        report.label_recall = recall(seen[lw], seen[lb])
-        report.label_null = recall(np.full(shapes[lw], np.nan), np.full(shapes[lb], np.nan))
+        report.label_recall = recall(seen)
+        report.label_null = recall([np.full(s, np.nan) for s in shapes])
     if "dlg" in c.attacks:
         if not torch_available():
             report.skipped["dlg"] = "needs PyTorch (pip install torch, CPU build)"
@@ -300,25 +395,13 @@ def run_sent_audit(
                 f"inverting gradients: {c.ig_iterations} iterations × {c.ig_restarts} starts, "
                 f"{len(y)} dummies"
             )
-            rng = np.random.default_rng(c.round_seed)  # OnnxTrainer.fit's shuffles, in order
-            order = np.concatenate([rng.permutation(len(y)) for _ in range(c.epochs)])
-            n = len(y)
-            batches = [
-                order[e * n + i : e * n + min(i + c.batch_size, n)]
-                for e in range(c.epochs)
-                for i in range(0, n, c.batch_size)
-            ]
-            side = math.isqrt(int(np.prod(spec.input_shape)))
-            inv = invert_local_training(
-                spec, base, seen, np.asarray(y), batches, lr=c.lr, momentum=c.momentum,
-                config=InversionConfig(
-                    iterations=c.ig_iterations, restarts=c.ig_restarts,
-                    tv=PRESET_TV.get(c.model, 1e-3) if c.ig_tv is None else c.ig_tv, value_range=(lo, hi),
-                ),
-                image_shape=(side, side) if side * side == int(np.prod(spec.input_shape)) else None,
-                seed=c.seed,
+            tv = PRESET_TV.get(c.model, 1e-3) if c.ig_tv is None else c.ig_tv
+            cfg = InversionConfig(
+                iterations=c.ig_iterations, restarts=c.ig_restarts, tv=tv, value_range=(lo, hi)
+            )
+            report.ig_db = replayed_inversion_scores(
+                spec, base, seen, xs, y, trainer_batches(len(y), c.batch_size, c.epochs, c.round_seed),
+                lr=c.lr, momentum=c.momentum, config=cfg, seed=c.seed,
             )  # fmt: skip
-            flat_x, flat_r = xs.reshape(n, -1), inv.x.reshape(n, -1)
-            report.ig_db = np.array([max(psnr(s, r, data_range=hi - lo) for r in flat_r) for s in flat_x])
     report.recovered = score_samples(report.best_db(), null, c.threshold_db)
     return report

@@ -23,6 +23,7 @@ from fedsdk.model.layers import (
     init_params,
     lenet,
     mlp,
+    preset,
 )
 from fedsdk.model.optim import SGD
 from fedsdk.model.trainer import OnnxTrainer, Trainer, TrainResult
@@ -47,4 +48,5 @@ __all__ = [
     "init_params",
     "lenet",
     "mlp",
+    "preset",
 ]

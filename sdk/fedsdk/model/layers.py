@@ -40,6 +40,7 @@ __all__ = [
     "init_params",
     "lenet",
     "mlp",
+    "preset",
 ]
 
 Shape = tuple[int, ...]
@@ -354,6 +355,18 @@ def lenet(in_channels: int = 1, image_size: int = 8, num_classes: int = 10) -> M
         Linear(84, num_classes),
     )
     return ModelSpec(layers, (in_channels, image_size, image_size), num_classes)
+
+
+def preset(name: str) -> ModelSpec:
+    """A preset by name: ``mlp`` (64 hidden units), ``mlpN`` (N hidden units, e.g. ``mlp16`` for the
+    per-value HE baselines), ``cnn`` or ``lenet`` (:func:`lenet`)."""
+    if name == "mlp":
+        return mlp()
+    if name.startswith("mlp") and name[3:].isdigit() and int(name[3:]) > 0:
+        return mlp(hidden=(int(name[3:]),))
+    if name in ("cnn", "lenet"):
+        return lenet()
+    raise ConfigError(f"unknown model {name!r}: choose mlp, mlpN or cnn")
 
 
 def init_params(spec: ModelSpec, seed: int) -> list[np.ndarray]:
