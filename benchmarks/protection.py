@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,22 +51,30 @@ from typing import Any
 import numpy as np
 
 from fedsdk.audit.analytic import first_layer_recoveries
-from fedsdk.audit.forward import first_linear, last_linear, layer_input
-from fedsdk.audit.inversion import InversionConfig, invert_local_training, torch_available
-from fedsdk.audit.labels import update_label_counts
+from fedsdk.audit.forward import first_linear, layer_input
+from fedsdk.audit.inversion import InversionConfig, torch_available
 from fedsdk.audit.metrics import psnr
-from fedsdk.audit.sent import null_scores, score_samples
+from fedsdk.audit.runner import PRESET_TV
+from fedsdk.audit.sent import (
+    feature_map_scores,
+    label_recall,
+    null_scores,
+    replayed_inversion_scores,
+    score_samples,
+    sent_mask,
+    trainer_batches,
+)
 from fedsdk.crypto import generate_backend
-from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, lenet, mlp
+from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, preset
 from fedsdk.model.data import load_digits, partition_label_skew
 from fedsdk.model.layers import ModelSpec
 from fedsdk.noise import noise_clear, rdp_epsilon
-from fedsdk.pipeline import choose_mask, flatten, unflatten
+from fedsdk.pipeline import flatten, unflatten
 
 CLIENTS, GROUPS, ROUNDS, SEED = 8, 4, 2, 0
 LR, MOMENTUM, BATCH = 0.05, 0.9, 32
-TV = {"mlp": 1e-3, "cnn": 1e-2}  # the audit's per-preset TV weights (docs/audit.md)
 MASKS = ("eq. 4", "filled", "check + filled", "random")
+MASK_KIND = {"eq. 4": "eq4", "filled": "filled", "check + filled": "fedsdk", "random": "random"}  # sent.MASKS
 
 
 @dataclass
@@ -89,53 +96,13 @@ class Context:
         self.shapes = [tuple(w.shape) for w in self.init]
 
 
-def _visible_rows(ctx: Context, update: np.ndarray, hidden: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Per local sample, the analytic attack's best PSNR: images when the first Linear layer reads them,
-    otherwise that layer's input (the feature map), scored over the local feature range."""
-    site = first_linear(ctx.spec)
-    if site.sees_input:
-        return first_layer_recoveries(update, ~hidden, ctx.shapes, x, (0.0, 1.0))
-    start = sum(int(np.prod(s)) for s in ctx.shapes[: site.weight])
-    feats = layer_input(ctx.spec, ctx.init, x, site.layer)
-    top = float(feats.max())
-    return first_layer_recoveries(
-        update[start:], ~hidden[start:], ctx.shapes[site.weight :], feats, (0.0, top if top > 0 else 1.0)
-    )
-
-
-def _null(ctx: Context, x: np.ndarray) -> np.ndarray:
-    site = first_linear(ctx.spec)
-    if site.sees_input:
-        return null_scores(x, ctx.public, 1.0)
-    feats = layer_input(ctx.spec, ctx.init, x, site.layer)
-    pub = layer_input(ctx.spec, ctx.init, ctx.public.reshape((-1, *ctx.spec.input_shape)), site.layer)
-    top = float(feats.max())
-    return null_scores(feats, pub, top if top > 0 else 1.0)
-
-
-def _labels(ctx: Context, delta: list[np.ndarray], base: list[np.ndarray], y: np.ndarray) -> float:
-    site = last_linear(ctx.spec)
-    assert site.bias is not None
-    counts = update_label_counts(
-        delta[site.weight], delta[site.bias], base[site.weight], base[site.bias], len(y),
-        lr=LR, momentum=MOMENTUM, batch_size=BATCH,
-    )  # fmt: skip
-    true = np.bincount(y, minlength=len(counts))
-    return float(np.minimum(counts, true).sum() / len(y))
-
-
-def _ig(
-    ctx: Context, delta: list[np.ndarray], base: list[np.ndarray], x: np.ndarray, y: np.ndarray, seed: int
-):
-    assert ctx.ig is not None
-    order = np.random.default_rng(seed).permutation(len(y))  # OnnxTrainer.fit's first draw
-    batches = [order[i : i + BATCH] for i in range(0, len(y), BATCH)]
-    side = math.isqrt(int(np.prod(ctx.spec.input_shape)))  # square images: 8×8 digits
-    res = invert_local_training(
-        ctx.spec, base, delta, y, batches, lr=LR, momentum=MOMENTUM, config=ctx.ig, image_shape=(side, side)
-    )
-    xs, rs = x.reshape(len(y), -1), res.x.reshape(len(y), -1)
-    return np.array([max(psnr(s, r, data_range=1.0) for r in rs) for s in xs])
+def _analytic(ctx: Context, base: list[np.ndarray], update: np.ndarray, hidden: np.ndarray, x: np.ndarray):
+    """Per local sample, the analytic attack's best PSNR and the null attacker's: images when the first
+    Linear layer reads them, otherwise that layer's input (the feature map at the device's start weights)."""
+    if first_linear(ctx.spec).sees_input:
+        scores = first_layer_recoveries(update, ~hidden, ctx.shapes, x, (0.0, 1.0))
+        return scores, null_scores(x, ctx.public, 1.0)
+    return feature_map_scores(ctx.spec, base, update, hidden, x, ctx.public)
 
 
 def replay(setting: dict[str, Any], ctx: Context, ig_cache: dict[bytes, np.ndarray]) -> dict[str, Any]:
@@ -143,6 +110,8 @@ def replay(setting: dict[str, Any], ctx: Context, ig_cache: dict[bytes, np.ndarr
     rng = np.random.default_rng(1)
     models = dict.fromkeys(range(GROUPS), ctx.init)
     best: list[np.ndarray] = []
+    null_best: list[np.ndarray] = []
+    hit: list[np.ndarray] = []  # per device and sample: recovered in some round (>= 25 dB, above the null)
     ig_scores: list[tuple[np.ndarray, np.ndarray]] = []
     encrypted: list[float] = []
     label_acc: list[float] = []
@@ -159,36 +128,41 @@ def replay(setting: dict[str, Any], ctx: Context, ig_cache: dict[bytes, np.ndarr
             if setting["mask"] == "none":
                 hidden = np.zeros(update.size, dtype=bool)
             else:
-                kw = {"weights": fit.weights, "gradients": fit.gradients, "update": update}
-                task: dict[str, Any] = {"mask": "solver", "budget": setting["alpha"], "seed": seed}
-                if setting["mask"] in ("filled", "check + filled", "random"):
-                    task["mask_fill"] = True
-                if setting["mask"] in ("check + filled", "random"):
-                    task["mask_leak_db"] = 20.0
-                mask = choose_mask(task, samples=x, pack_size=ctx.pack, **kw).mask
-                if setting["mask"] == "random":  # as many packs, chosen at random
-                    k = int(mask.sum())
-                    mask = np.zeros_like(mask)
-                    mask[rng.choice(mask.size, size=k, replace=False)] = True
+                mask = sent_mask(
+                    MASK_KIND[setting["mask"]], setting["alpha"], seed, weights=fit.weights,
+                    gradients=fit.gradients, update=update, pack_size=ctx.pack, samples=x, rng=rng,
+                )  # fmt: skip
                 hidden = np.repeat(mask, ctx.pack)[: update.size]
             if setting["noise"] > 0:
                 update, _ = noise_clear(
                     update, hidden, clip=setting["clip"], noise_multiplier=setting["noise"]
                 )
-            scores = _visible_rows(ctx, update, hidden, x)
+            scores, null = _analytic(ctx, base, update, hidden, x)
+            got = (scores >= 25.0) & (scores > null)
             if r == 1:
                 best.append(scores)
+                null_best.append(null)
+                hit.append(got)
             else:
-                best[d] = np.maximum(best[d], scores)
+                best[d], null_best[d] = np.maximum(best[d], scores), np.maximum(null_best[d], null)
+                hit[d] |= got
             encrypted.append(float(hidden.mean()))
             seen = unflatten(np.where(hidden, np.nan, update.astype(np.float64)), ctx.shapes)
-            label_acc.append(_labels(ctx, seen, base, y))
-            label_null.append(_labels(ctx, [np.full(s, np.nan) for s in ctx.shapes], base, y))
+            label_acc.append(
+                label_recall(ctx.spec, base, seen, y, lr=LR, momentum=MOMENTUM, batch_size=BATCH)
+            )
+            blind = [np.full(s, np.nan) for s in ctx.shapes]
+            label_null.append(
+                label_recall(ctx.spec, base, blind, y, lr=LR, momentum=MOMENTUM, batch_size=BATCH)
+            )
             if ctx.ig is not None and r == 1 and d in ctx.ig_devices and setting["noise"] == 0:
                 key = d.to_bytes(2, "little") + np.packbits(hidden).tobytes()
                 if key not in ig_cache:
                     t0 = time.perf_counter()
-                    ig_cache[key] = _ig(ctx, seen, base, x, y, seed)
+                    ig_cache[key] = replayed_inversion_scores(
+                        ctx.spec, base, seen, x, y, trainer_batches(len(y), BATCH, 1, seed),
+                        lr=LR, momentum=MOMENTUM, config=ctx.ig,
+                    )  # fmt: skip
                     print(f"  IG {ctx.name} device {d}: {time.perf_counter() - t0:.0f} s", flush=True)
                 ig_scores.append((ig_cache[key], null_scores(x, ctx.public, 1.0)))
             sent.setdefault(g, []).append((len(y), update))
@@ -203,8 +177,7 @@ def replay(setting: dict[str, Any], ctx: Context, ig_cache: dict[bytes, np.ndarr
         classes = {int(c) for _, y, gg in ctx.devices if gg == g for c in np.unique(y)}
         own = np.isin(ctx.test_y, sorted(classes))
         accs.append(ctx.model.evaluate(models[g], ctx.test_x[own], ctx.test_y[own])[1])
-    nulls = [_null(ctx, x) for x, _, _ in ctx.devices]
-    hits = [score_samples(s, n, 25.0) for s, n in zip(best, nulls, strict=True)]
+    hits = [int(h.sum()) for h in hit]
     row: dict[str, Any] = {
         "model": ctx.name,
         **setting,
@@ -213,7 +186,7 @@ def replay(setting: dict[str, Any], ctx: Context, ig_cache: dict[bytes, np.ndarr
         "analytic_devices": sum(h > 0 for h in hits),
         "analytic_max_db": max(float(s.max()) for s in best),
         "analytic_mean_db": float(np.mean(np.concatenate([np.minimum(s, 100.0) for s in best]))),
-        "analytic_null_max_db": max(float(n.max()) for n in nulls),
+        "analytic_null_max_db": max(float(n.max()) for n in null_best),
         "analytic_target": "images" if first_linear(ctx.spec).sees_input else "feature maps",
         "label_accuracy": float(np.mean(label_acc)),
         "label_accuracy_null": float(np.mean(label_null)),
@@ -255,7 +228,7 @@ def feature_inversion(ctx: Context, n: int, iterations: int, restarts: int) -> d
             tv = (img[..., 1:, :] - img[..., :-1, :]).abs().mean() + (
                 img[..., 1:] - img[..., :-1]
             ).abs().mean()
-            cost = ((prefix(dummy).reshape(n, -1) - target) ** 2).sum(dim=1).mean() + TV["cnn"] * tv
+            cost = ((prefix(dummy).reshape(n, -1) - target) ** 2).sum(dim=1).mean() + PRESET_TV["cnn"] * tv
             cost.backward()
             opt.step()
             sched.step()
@@ -329,7 +302,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     for name in args.models.split(","):
-        spec = mlp() if name == "mlp" else lenet()
+        spec = preset(name)
         devices = [
             (digits.x_train[idx].reshape((-1, *spec.input_shape)), digits.y_train[idx], int(g))
             for idx, g in zip(part.indices, part.groups, strict=True)
@@ -339,7 +312,7 @@ def main() -> None:
             name, spec, OnnxModel.from_bundle(build_graphs(spec)),
             [np.asarray(w, np.float32) for w in init_params(spec, seed=SEED)], pack, devices,
             digits.x_test.reshape((-1, *spec.input_shape)), digits.y_test,
-            InversionConfig(iterations=args.ig_iterations, restarts=args.ig_restarts, tv=TV[name])
+            InversionConfig(iterations=args.ig_iterations, restarts=args.ig_restarts, tv=PRESET_TV[name])
             if use_ig else None,
             [int(i) for i in sizes[: args.ig_devices]], digits.x_test[:200],
         )  # fmt: skip
