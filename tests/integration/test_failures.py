@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from brokers import MosquittoProcess, require_mosquitto, start_mosquitto
+from brokers import MosquittoProcess, require_mosquitto
 from fedsdk.client import FedClient
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.protocol import Status, decode
@@ -43,12 +43,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module", autouse=True)
 def _need_mosquitto() -> None:
     require_mosquitto()
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Any:
-    with start_mosquitto(tmp_path / "mosq") as b:
-        yield b
 
 
 @pytest.fixture(scope="module")

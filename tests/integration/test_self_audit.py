@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from brokers import MosquittoProcess, require_mosquitto, start_mosquitto
+from brokers import MosquittoProcess, require_mosquitto
 from fedsdk.client import FedClient
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
@@ -49,12 +49,6 @@ WITHHELD = re.compile(
 @pytest.fixture(scope="module", autouse=True)
 def _need_mosquitto() -> None:
     require_mosquitto()
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Any:
-    with start_mosquitto(tmp_path / "mosq") as b:
-        yield b
 
 
 @pytest.fixture(scope="module")
