@@ -68,6 +68,7 @@ import numpy as np
 from fedsdk import __version__, pipeline
 from fedsdk.coop import PeerShare, ShareBook, share_ranks, share_wait
 from fedsdk.crypto import HEBackend
+from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.crypto.shares import ShareSealer
 from fedsdk.errors import (
     ConfigError,
@@ -691,11 +692,12 @@ class FedClient:
         )  # fmt: skip
         return {"self_audit_max_db": result.max_db, "self_audit_s": result.seconds}
 
-    def _decrypt_packs(self, agg: EncryptedAggregate, cts: list[bytes]) -> list[Any]:
-        """Raw decryptions of some of ``agg``'s ciphertexts (in the executor; timed by the caller)."""
+    def _decrypt_packs(self, round_id: int, agg: HEAggregate, ranks: list[int]) -> list[Any]:
+        """Raw decryptions of the ciphertexts of round ``round_id``'s ``agg`` at ``ranks`` (in the executor;
+        timed by the caller)."""
         he = self._he
         assert he is not None
-        return he.raw_decrypt_many([he.raw_ciphertext_from_bytes(b) for b in cts])
+        return he.decrypt_ranks(agg, ranks)
 
     def _apply(
         self, agg: Aggregate | EncryptedAggregate, pending: _Pending, sums: list[Any] | None = None
@@ -842,7 +844,7 @@ class FedClient:
         async def decrypt(which: list[int]) -> None:
             nonlocal spent
             t0 = time.perf_counter()
-            plains = await loop.run_in_executor(None, self._decrypt_packs, agg, [cts[r] for r in which])
+            plains = await loop.run_in_executor(None, self._decrypt_packs, agg.round_id, hagg, which)
             spent += time.perf_counter() - t0
             got.update(zip(which, plains, strict=True))
 
@@ -909,10 +911,9 @@ class FedClient:
         if not bad:
             return False
         bad.sort()
-        cts = list(hagg.ciphertexts)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        plains = await loop.run_in_executor(None, self._decrypt_packs, agg, [cts[r] for r in bad])
+        plains = await loop.run_in_executor(None, self._decrypt_packs, agg.round_id, hagg, bad)
         for r, m in zip(bad, plains, strict=True):
             sums[r] = m
         metrics["decrypt_s"] = metrics.get("decrypt_s", 0.0) + time.perf_counter() - t0

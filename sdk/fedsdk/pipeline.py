@@ -286,6 +286,7 @@ def message_from_contribution(
         plain_lengths=(plen,),
         plaintexts=pblob,
         metrics=dict(metrics),
+        coins=c.coins,
     )
 
 
@@ -298,6 +299,7 @@ def contribution_from_message(m: EncryptedUpdate) -> Contribution:
         mask=np.array(m.pack_mask, dtype=bool),
         ciphertexts=m.cipher_parts(),
         plaintexts=m.plain_parts(),
+        coins=m.coins,
     )
 
 
@@ -305,6 +307,8 @@ def message_from_he_aggregate(
     agg: HEAggregate, *, round_id: int, cluster_id: int, total_samples: int, metrics: Mapping[str, float]
 ) -> EncryptedAggregate:
     blob, lengths = join_parts(agg.ciphertexts)
+    coins, coin_lengths = join_parts(agg.coins)
+    members = np.packbits(np.asarray(agg.members, dtype=bool).ravel()) if agg.coins else np.zeros(0, np.uint8)
     return EncryptedAggregate(
         round_id=round_id,
         cluster_id=cluster_id,
@@ -319,6 +323,9 @@ def message_from_he_aggregate(
         ciphertexts=blob,
         clear=(np.asarray(agg.clear, dtype=np.float64).ravel(),),
         metrics=dict(metrics),
+        members=(members,),
+        coin_lengths=(coin_lengths,),
+        coins=coins,
     )
 
 
@@ -332,6 +339,8 @@ def he_aggregate_from_message(m: EncryptedAggregate) -> HEAggregate:
         mask=np.array(m.pack_mask, dtype=bool),
         ciphertexts=m.cipher_parts(),
         clear=np.array(m.clear[0], dtype=np.float64),
+        members=m.member_masks(),
+        coins=m.coin_parts(),
     )
 
 

@@ -74,6 +74,8 @@ class Contribution:
     """One device's update as the coordinator receives it: mask, ciphertext packs, plaintext packs.
 
     ``ciphertexts`` has one entry per True in ``mask`` and ``plaintexts`` one per False, both in pack order.
+    ``coins`` names the obfuscators of the ciphertexts for the key holders (``fedsdk.crypto.obfuscator``);
+    empty when the backend has none to name.
     """
 
     backend: str
@@ -83,6 +85,7 @@ class Contribution:
     mask: np.ndarray
     ciphertexts: tuple[bytes, ...]
     plaintexts: tuple[bytes, ...]
+    coins: bytes = b""
 
     def __post_init__(self) -> None:
         mask = np.asarray(self.mask, dtype=bool).ravel()
@@ -104,6 +107,9 @@ class Aggregate:
     """The coordinator's sum: ciphertexts for the union-masked packs, clear averages for the rest.
 
     ``clear`` holds ``pack_size`` averaged values per pack outside ``mask`` (pack order, padding included).
+    ``members`` (one row of packs per contribution, in aggregation order) says whose ciphertexts each pack's
+    sum holds and ``coins`` carries each contribution's coins, so that a key holder can open the sums with
+    the known exponents (``PackedPaillierBackend.decrypt_ranks``); both may be empty.
     """
 
     backend: str
@@ -114,6 +120,8 @@ class Aggregate:
     mask: np.ndarray
     ciphertexts: tuple[bytes, ...]
     clear: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    members: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    coins: tuple[bytes, ...] = ()
 
 
 class HEBackend(abc.ABC):
@@ -299,11 +307,14 @@ class HEBackend(abc.ABC):
     def decrypt_aggregate(self, agg: Aggregate) -> np.ndarray:
         """Decrypt the encrypted packs, decode with the public total weight, merge the clear packs."""
         self.check_aggregate(agg)
-        sums: list[Any] = []
-        if agg.ciphertexts:
-            self._require_secret()
-            sums = self.raw_decrypt_many([self.raw_ciphertext_from_bytes(b) for b in agg.ciphertexts])
+        sums = self.decrypt_ranks(agg, range(len(agg.ciphertexts))) if agg.ciphertexts else []
         return self.merge_aggregate(agg, sums)
+
+    def decrypt_ranks(self, agg: Aggregate, ranks: Sequence[int]) -> list[Any]:
+        """Raw decryptions of ``agg.ciphertexts[r]`` for ``r`` in ``ranks`` (a backend may open faster)."""
+        self._require_secret()
+        cts = [self.raw_ciphertext_from_bytes(agg.ciphertexts[int(r)]) for r in ranks]
+        return self.raw_decrypt_many(cts)
 
     def merge_aggregate(self, agg: Aggregate, sums: Sequence[Any]) -> np.ndarray:
         """The averaged update from the raw decryptions ``sums`` of the aggregate's ciphertexts (in order,
@@ -368,6 +379,9 @@ class HEBackend(abc.ABC):
                 acc = self.raw_add_plain(acc, plain)
             out_ct.append(self.raw_ciphertext_to_bytes(acc))
         clear = self.decode(clear_sums, total_weight).ravel() if clear_sums else np.zeros(0, dtype=np.float64)
+        members = np.stack([c.mask for c in contributions])
+        coins = tuple(c.coins for c in contributions)
         return Aggregate(
-            self.name, self.key_id, n_values, total_weight, len(contributions), union, tuple(out_ct), clear
-        )
+            self.name, self.key_id, n_values, total_weight, len(contributions), union, tuple(out_ct), clear,
+            members if any(coins) else members[:0], coins if any(coins) else (),
+        )  # fmt: skip

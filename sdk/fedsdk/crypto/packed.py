@@ -36,9 +36,9 @@ import numpy as np
 
 from fedsdk.crypto._intmath import IntOps
 from fedsdk.crypto._paillier_base import PaillierFamily
-from fedsdk.crypto.base import Contribution, Encoded, EncodeReport
+from fedsdk.crypto.base import Aggregate, Contribution, Encoded, EncodeReport
 from fedsdk.crypto.fixedpoint import FixedPoint, pack_slots, unpack_slots
-from fedsdk.crypto.obfuscator import raw_encrypt_with
+from fedsdk.crypto.obfuscator import Obfuscator, Tag, pack_coins, raw_encrypt_with, unpack_coins
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
 from fedsdk.errors import CiphertextError, EncodingError
 
@@ -183,17 +183,69 @@ class PackedPaillierBackend(PaillierFamily):
         t1 = time.perf_counter()
         report.encode_seconds = t1 - t0
         big = self.ops.from_bytes
-        natives = self.raw_encrypt_packs([big(packed[i], "little") for i in np.flatnonzero(sel)], report)
+        obfs = self.obfuscators(int(sel.sum()), report)
+        natives = self._encrypt_with([big(packed[i], "little") for i in np.flatnonzero(sel)], obfs)
         cts = tuple(self._ct_bytes(c) for c in natives)
         pts = tuple(packed[i] for i in np.flatnonzero(~sel))
+        coins = pack_coins([o.tag for o in obfs])
         report.encrypt_seconds = time.perf_counter() - t1
         report.ciphertext_bytes = len(cts) * self.ciphertext_nbytes
         report.plaintext_bytes = len(pts) * self._plain_nbytes
-        return Contribution(self.name, self.key_id, n, w, sel, cts, pts), report
+        return Contribution(self.name, self.key_id, n, w, sel, cts, pts, coins), report
+
+    def decrypt_ranks(self, agg: Aggregate, ranks: Sequence[int]) -> list[Any]:
+        """Raw decryptions of ``agg.ciphertexts[r]`` for ``r`` in ``ranks``.
+
+        Where the aggregate names every obfuscator inside a ciphertext (``members`` and ``coins``, key mode
+        ``shared``), the sum A of their exponents is recomputed and the ciphertext opened with one
+        fixed-base power (:meth:`ObfuscatorFactory.open`, checked); every other ciphertext, and any whose
+        check fails, is decrypted the classic way (phe's CRT decryption).
+        """
+        self._require_secret()
+        ranks = [int(r) for r in ranks]
+        cts = [self._ct(agg.ciphertexts[r]) for r in ranks]
+        sums = self._exponent_sums(agg, ranks)
+        opened = (None if a is None else self.factory.open(c, a) for c, a in zip(cts, sums, strict=True))
+        out: list[Any] = list(opened)
+        classic = [k for k, m in enumerate(out) if m is None]
+        if classic:
+            for k, m in zip(classic, self.decrypt_many([cts[k] for k in classic]), strict=True):
+                out[k] = m
+        return out
+
+    def _exponent_sums(self, agg: Aggregate, ranks: list[int]) -> list[int | None]:
+        """Per rank, the sum of the exponents of the obfuscators multiplied into that ciphertext, or None
+        where the aggregate does not name all of them (no coins, a malformed row, a contributor without)."""
+        union = np.flatnonzero(self.check_aggregate(agg))
+        members = np.asarray(agg.members, dtype=bool)
+        if not agg.coins or not self.factory.can_open or members.shape != (len(agg.coins), agg.mask.size):
+            return [None] * len(ranks)
+        rows: list[list[Tag] | None] = []
+        for row, coins in zip(members, agg.coins, strict=True):
+            try:
+                rows.append(unpack_coins(coins, int(row.sum())) if coins else None)
+            except CiphertextError:
+                rows.append(None)
+        position = np.cumsum(members, axis=1) - 1  # rank of a pack among each contributor's ciphertexts
+        exponent = self.factory.exponent
+        out: list[int | None] = []
+        for r in ranks:
+            j = int(union[r])
+            who = np.flatnonzero(members[:, j])
+            total = 0
+            for i in who.tolist():
+                tags = rows[i]
+                if tags is None:
+                    break
+                total += exponent(tags[position[i, j]])
+            out.append(total if who.size and tags is not None else None)
+        return out
 
     # ------------------------------------------------------------------ raw primitives
     def raw_encrypt_packs(self, plains: Sequence[Any], report: EncodeReport | None = None) -> list[Any]:
-        obfs = self.obfuscators(len(plains), report)
+        return self._encrypt_with(plains, self.obfuscators(len(plains), report))
+
+    def _encrypt_with(self, plains: Sequence[Any], obfs: Sequence[Obfuscator]) -> list[Any]:
         n, nsq = self.keys.n, self.keys.nsquare
         return [raw_encrypt_with(m, o, n, nsq) for m, o in zip(plains, obfs, strict=True)]
 

@@ -43,7 +43,7 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _make_chunk(factory: ObfuscatorFactory, count: int) -> list[tuple[int, int]]:
+def _make_chunk(factory: ObfuscatorFactory, count: int) -> list[tuple[int, int, Any]]:
     return factory.make_portable(count)
 
 
@@ -103,11 +103,10 @@ class ParallelPaillier:
         share, extra = divmod(count, self.workers)
         sizes = [share + (1 if i < extra else 0) for i in range(self.workers)]
         futures = [executor.submit(_make_chunk, self.factory, k) for k in sizes if k > 0]
-        result: list[Any] = []
-        big = self.factory._consts()["ops"].big
+        result: list[Obfuscator] = []
         try:
             for fut in futures:
-                result.extend((big(x), big(xn)) for x, xn in fut.result())
+                result.extend(self.factory.from_portable(fut.result()))
         except cf.process.BrokenProcessPool as exc:  # a worker died (OOM killer): finish here
             self.unavailable = f"BrokenProcessPool: {exc}"
             self._executor = None

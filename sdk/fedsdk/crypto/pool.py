@@ -270,14 +270,13 @@ class ObfuscatorPool:
         self._send(("credit", self._capacity))
 
     def _receive_loop(self, conn: Connection) -> None:
-        ops_big = self.factory._consts()["ops"].big
         try:
             while True:
-                batch = conn.recv()
+                batch = self.factory.from_portable(conn.recv())
                 with self._cond:
                     if self._state != "running":
                         return
-                    self._items.extend((ops_big(x), ops_big(xn)) for x, xn in batch)
+                    self._items.extend(batch)
                     self._produced += len(batch)
                     self._cond.notify_all()
         except (EOFError, OSError):

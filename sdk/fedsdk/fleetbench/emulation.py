@@ -129,7 +129,7 @@ class DilatedFactory(ObfuscatorFactory):
 
     @classmethod
     def wrap(cls, factory: ObfuscatorFactory, dilation: Dilation) -> DilatedFactory:
-        return cls(factory.n, factory.p, factory.q, factory.fast, dilation=dilation)
+        return cls(factory.n, factory.p, factory.q, factory.fast, factory.short, dilation=dilation)
 
     def make_one(self) -> Obfuscator:
         if self.dilation is None:
@@ -272,10 +272,10 @@ class EmulatedClient(FedClient):
         record.update(emu_other_s=parts["emu_other_s"], emu_overrun_s=step.overrun_s)
         return msg, record
 
-    def _decrypt_packs(self, agg: Any, cts: list[bytes]) -> list[Any]:
+    def _decrypt_packs(self, round_id: int, agg: Any, ranks: list[int]) -> list[Any]:
         with self.dilation.step("decrypt") as step:
-            out = super()._decrypt_packs(agg, cts)
-        self._decrypt_s[agg.round_id] = self._decrypt_s.get(agg.round_id, 0.0) + step.emulated_s
+            out = super()._decrypt_packs(round_id, agg, ranks)
+        self._decrypt_s[round_id] = self._decrypt_s.get(round_id, 0.0) + step.emulated_s
         return out
 
     def _apply(self, agg: Any, pending: Any, sums: list[Any] | None = None) -> dict[str, float]:

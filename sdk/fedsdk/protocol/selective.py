@@ -54,6 +54,7 @@ __all__ = [
 
 MAX_VALUES = 2**31 - 1
 MAX_WEIGHT = 2**40
+COIN_RUN_BYTES = 28  # fedsdk.crypto.obfuscator.COIN_RUN (seed, first index, count), kept import-free here
 
 
 def join_parts(parts: Sequence[bytes]) -> tuple[bytes, np.ndarray]:
@@ -164,6 +165,7 @@ class EncryptedUpdate(BaseMessage):
         "plaintexts": Wire.BYTES,
         "metrics": Wire.MAP,
         "nonce": Wire.STR,
+        "coins": Wire.BYTES,
     }
 
     client_id: str
@@ -181,6 +183,7 @@ class EncryptedUpdate(BaseMessage):
     plaintexts: bytes
     metrics: Mapping[str, float] = field(default_factory=FrozenMap)
     nonce: str = ""
+    coins: bytes = b""
 
     def __post_init__(self) -> None:
         check_id(self.client_id, "client_id")
@@ -201,6 +204,9 @@ class EncryptedUpdate(BaseMessage):
         self._set("plain_lengths", _lengths(self.plain_lengths, "plain_lengths", self.plaintexts, n_plain))
         self._set("metrics", check_map(self.metrics, "metrics", floats_only=True))
         check_id(self.nonce, "nonce", allow_empty=True)
+        self._set("coins", check_bytes(self.coins, "coins"))
+        if len(self.coins) % COIN_RUN_BYTES or len(self.coins) // COIN_RUN_BYTES > n_enc:
+            raise ValidationError("bad_shape", f"coins of {len(self.coins)} bytes for {n_enc} ciphertexts")
 
     @property
     def pack_mask(self) -> np.ndarray:
@@ -217,7 +223,11 @@ class EncryptedUpdate(BaseMessage):
 @dataclass(frozen=True, eq=False, repr=False)
 class EncryptedAggregate(BaseMessage):
     """A cluster's homomorphic sum for one round: ciphertexts for the packs of the union ``mask``, and
-    ``clear`` (one float64 array, ``pack_size`` values per unmasked pack) averaged in the clear."""
+    ``clear`` (one float64 array, ``pack_size`` values per unmasked pack) averaged in the clear.
+
+    ``members`` (one uint8 array: ``np.packbits`` of the ``n_devices × packs`` contribution masks, row by
+    row) and ``coins`` (one part per device, split by ``coin_lengths``) let a key holder open the sums with
+    the known obfuscator exponents (``fedsdk.crypto.obfuscator``); both empty when nobody sent coins."""
 
     KIND: ClassVar[MessageKind] = MessageKind.ENCRYPTED_AGGREGATE
     WIRE: ClassVar[Mapping[str, Wire]] = {
@@ -234,6 +244,9 @@ class EncryptedAggregate(BaseMessage):
         "ciphertexts": Wire.BYTES,
         "clear": Wire.ARRAYS,
         "metrics": Wire.MAP,
+        "members": Wire.ARRAYS,
+        "coin_lengths": Wire.ARRAYS,
+        "coins": Wire.BYTES,
     }
 
     round_id: int
@@ -249,6 +262,9 @@ class EncryptedAggregate(BaseMessage):
     ciphertexts: bytes
     clear: tuple[np.ndarray, ...]
     metrics: Mapping[str, float] = field(default_factory=FrozenMap)
+    members: tuple[np.ndarray, ...] = (np.zeros(0, dtype=np.uint8),)
+    coin_lengths: tuple[np.ndarray, ...] = (np.zeros(0, dtype=np.int64),)
+    coins: bytes = b""
 
     def __post_init__(self) -> None:
         self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
@@ -266,6 +282,14 @@ class EncryptedAggregate(BaseMessage):
         self._set("cipher_lengths", lengths)
         self._set("clear", _one(self.clear, "clear", "float64"))
         self._set("metrics", check_map(self.metrics, "metrics", floats_only=True))
+        members = _one(self.members, "members", "uint8")
+        self._set("members", members)
+        self._set("coins", check_bytes(self.coins, "coins"))
+        named = members[0].size > 0
+        if named and members[0].size != -(-self.n_devices * mask[0].size // 8):
+            raise ValidationError("bad_shape", f"members of {members[0].size} B for {self.n_devices} devices")
+        count = self.n_devices if named else 0
+        self._set("coin_lengths", _lengths(self.coin_lengths, "coin_lengths", self.coins, count))
 
     @property
     def pack_mask(self) -> np.ndarray:
@@ -273,6 +297,17 @@ class EncryptedAggregate(BaseMessage):
 
     def cipher_parts(self) -> tuple[bytes, ...]:
         return split_parts(self.ciphertexts, self.cipher_lengths[0])
+
+    def member_masks(self) -> np.ndarray:
+        """The contribution masks, ``n_devices × packs`` booleans (``0 × packs`` when none were sent)."""
+        packs = self.pack_mask.size
+        if not self.members[0].size:
+            return np.zeros((0, packs), dtype=bool)
+        bits = np.unpackbits(self.members[0], count=self.n_devices * packs)
+        return bits.astype(bool).reshape(self.n_devices, packs)
+
+    def coin_parts(self) -> tuple[bytes, ...]:
+        return split_parts(self.coins, self.coin_lengths[0])
 
 
 SEALED_OVERHEAD = 12 + 16  # AES-GCM nonce and tag (fedsdk.crypto.shares)

@@ -58,15 +58,18 @@ def test_default_backend_is_packed_2048_with_under_10_bytes_per_value() -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(m_bytes=st.binary(min_size=1, max_size=127), crt=st.booleans(), fast=st.booleans())
+@given(
+    m_bytes=st.binary(min_size=1, max_size=127), crt=st.booleans(), fast=st.booleans(), short=st.booleans()
+)
 def test_obfuscated_encryption_decrypts_with_phe(
-    keys: PaillierKeys, m_bytes: bytes, crt: bool, fast: bool
+    keys: PaillierKeys, m_bytes: bytes, crt: bool, fast: bool, short: bool
 ) -> None:
     if fast and not HAVE_GMPY2:
         return
     p, q = keys.primes  # type: ignore[misc]
-    factory = ObfuscatorFactory(int(keys.n), p if crt else None, q if crt else None, fast=fast)
-    x, xn = factory.make_one()
+    factory = ObfuscatorFactory(int(keys.n), p if crt else None, q if crt else None, fast=fast, short=short)
+    x, xn, tag = factory.make_one()
+    assert (tag is not None) == (crt and short)
     assert 0 < x < keys.nsquare and xn == x % keys.n
     assert keys.private_key.raw_decrypt(int(x)) == 0  # an n-th residue: encrypts 0
     m = int.from_bytes(m_bytes, "big") % int(keys.n)
@@ -78,9 +81,10 @@ def test_obfuscated_encryption_decrypts_with_phe(
 
 def test_crt_and_public_obfuscators_are_both_random(keys: PaillierKeys) -> None:
     p, q = keys.primes  # type: ignore[misc]
-    for factory in (ObfuscatorFactory(int(keys.n)), ObfuscatorFactory(int(keys.n), p, q)):
-        xs = {int(x) for x, _ in factory.make(20)}
-        assert len(xs) == 20
+    for short in (True, False):
+        for factory in (ObfuscatorFactory(int(keys.n), short=short), ObfuscatorFactory(int(keys.n), p, q)):
+            xs = {int(o.x) for o in factory.make(20)}
+            assert len(xs) == 20
     assert pickle.loads(pickle.dumps(ObfuscatorFactory(int(keys.n), p, q))).uses_crt
 
 

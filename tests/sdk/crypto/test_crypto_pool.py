@@ -28,7 +28,7 @@ def keys() -> PaillierKeys:
 
 
 def _valid(keys: PaillierKeys, items: list) -> bool:
-    return all(keys.private_key.raw_decrypt(int(x)) == 0 and xn == x % keys.n for x, xn in items)
+    return all(keys.private_key.raw_decrypt(int(x)) == 0 and xn == x % keys.n for x, xn, _ in items)
 
 
 def _factory(keys: PaillierKeys, *, crt: bool = True, fast: bool | None = None) -> ObfuscatorFactory:
@@ -59,7 +59,7 @@ def test_thread_pool_fills_refills_pauses_and_closes(keys: PaillierKeys) -> None
         assert pool.fill(timeout=30)
         assert pool.produced >= 16
         # every obfuscator left the pool once: no two handed out are equal
-        assert len({int(x) for x, _ in got + taken}) == 10
+        assert len({int(o.x) for o in got + taken}) == 10
         pool.set_capacity(8)
         assert pool.fill(timeout=30) and len(pool) == 8
         with pytest.raises(StateError):

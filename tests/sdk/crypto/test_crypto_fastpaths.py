@@ -1,0 +1,169 @@
+"""The fast Paillier paths stay exact: fixed-base short-exponent obfuscators and opening with known exponents
+decrypt exactly as python-paillier's own ``raw_decrypt`` does, whatever a coordinator does to the coins."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedsdk import pipeline
+from fedsdk.crypto import FixedPoint, ObfuscatorFactory, PackedPaillierBackend, PaillierKeys
+from fedsdk.crypto._intmath import IntOps
+from fedsdk.crypto.base import Aggregate
+from fedsdk.crypto.obfuscator import (
+    COIN_RUN,
+    FixedBase,
+    exponent_bits,
+    pack_coins,
+    raw_encrypt_with,
+    unpack_coins,
+)
+from fedsdk.errors import CiphertextError, ValidationError
+from fedsdk.protocol import decode, encode
+from fedsdk.protocol.selective import COIN_RUN_BYTES
+
+
+@pytest.fixture(scope="module")
+def keys() -> PaillierKeys:
+    return PaillierKeys.generate(1024)
+
+
+@pytest.fixture(scope="module")
+def device(keys: PaillierKeys) -> Iterator[PackedPaillierBackend]:
+    b = PackedPaillierBackend(keys, FixedPoint(max_devices=16), parallel=False)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def coordinator(keys: PaillierKeys) -> PackedPaillierBackend:
+    return PackedPaillierBackend(PaillierKeys(int(keys.n)), FixedPoint(max_devices=16), parallel=False)
+
+
+def test_exponent_lengths_are_twice_the_nist_strength() -> None:
+    assert [exponent_bits(k) for k in (1024, 2048, 3072, 4096, 7680, 15360)] == [224, 224, 256, 384, 384, 512]
+    assert COIN_RUN.size == COIN_RUN_BYTES
+
+
+@settings(max_examples=40, deadline=None)
+@given(e=st.integers(0, 2**40 - 1), base=st.integers(2, 2**64), fast=st.booleans())
+def test_fixed_base_power_is_powmod(e: int, base: int, fast: bool) -> None:
+    ops = IntOps(fast)
+    m = ops.big((1 << 127) - 1)
+    assert int(FixedBase(ops, base, m, 40).pow(e)) == pow(base, e, int(m))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    messages=st.lists(st.integers(0, 2**200), min_size=1, max_size=6),
+    plain=st.integers(0, 2**200),
+    fast=st.booleans(),
+)
+def test_open_with_known_exponents_is_phe_raw_decrypt(
+    keys: PaillierKeys, messages: list[int], plain: int, fast: bool
+) -> None:
+    p, q = keys.primes  # type: ignore[misc]
+    ops = IntOps(fast)
+    n, nsq = ops.big(int(keys.n)), ops.big(int(keys.nsquare))
+    one, other = ObfuscatorFactory(int(keys.n), p, q, fast=fast), ObfuscatorFactory(int(keys.n), p, q)
+    obfs = [(one if i % 2 else other).make_one() for i in range(len(messages))]  # two devices, one key
+    c = ops.big(1)
+    for m, o in zip(messages, obfs, strict=True):
+        c = c * raw_encrypt_with(ops.big(m), o, n, nsq) % nsq
+    c = c * (1 + n * plain) % nsq  # a plaintext pack added by the coordinator
+    total = sum(one.exponent(o.tag) for o in obfs)  # type: ignore[arg-type]
+    expected = keys.private_key.raw_decrypt(int(c))
+    assert expected == (sum(messages) + plain) % int(keys.n)
+    assert one.open(c, total) == expected
+    assert one.open(c, total + 1) is None and one.open(c, 0) is None
+
+
+def test_tags_never_repeat_across_processes_and_only_key_holders_can_open(keys: PaillierKeys) -> None:
+    p, q = keys.primes  # type: ignore[misc]
+    factory = ObfuscatorFactory(int(keys.n), p, q)
+    clone = pickle.loads(pickle.dumps(factory))
+    tags = [o.tag for o in factory.make(5) + clone.make(5)]
+    assert len(set(tags)) == 10 and len({t[0] for t in tags}) == 2  # type: ignore[index]
+    public = ObfuscatorFactory(int(keys.n))
+    assert public.make_one().tag is None and not public.can_open
+    assert public.open(1, 0) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.binary(min_size=16, max_size=16), st.integers(0, 2**40), st.integers(1, 9)))
+)
+def test_coins_round_trip(runs: list[tuple[bytes, int, int]]) -> None:
+    tags = [(seed, start + k) for seed, start, count in runs for k in range(count)]
+    data = pack_coins(tags)
+    assert len(data) <= COIN_RUN.size * len(runs)
+    assert unpack_coins(data, len(tags)) == tags
+    if tags:
+        with pytest.raises(CiphertextError):
+            unpack_coins(data, len(tags) + 1)
+        with pytest.raises(CiphertextError):
+            unpack_coins(data[:-1], len(tags))
+    assert pack_coins([*tags, None]) == b""
+
+
+def _round(device: PackedPaillierBackend, coordinator: PackedPaillierBackend) -> tuple[Aggregate, list[int]]:
+    rng = np.random.default_rng(4)
+    n = 9 * device.pack_size
+    contributions = []
+    for i, w in enumerate((3, 5, 7, 2)):
+        mask = None if i == 0 else rng.random(device.num_packs(n)) < 0.6
+        contributions.append(device.encrypt_update(rng.normal(0, 0.2, n), w, mask)[0])
+    agg = coordinator.aggregate(contributions)
+    assert agg.members.shape == (4, device.num_packs(n)) and all(agg.coins)
+    classic = [device.keys.private_key.raw_decrypt(int(device._ct(b))) for b in agg.ciphertexts]
+    return agg, classic
+
+
+def test_aggregate_opens_exactly_through_the_wire(
+    device: PackedPaillierBackend, coordinator: PackedPaillierBackend
+) -> None:
+    agg, classic = _round(device, coordinator)
+    msg = pipeline.message_from_he_aggregate(agg, round_id=1, cluster_id=0, total_samples=17, metrics={})
+    back = pipeline.he_aggregate_from_message(decode(encode(msg)))  # type: ignore[arg-type]
+    assert np.array_equal(back.members, agg.members) and back.coins == agg.coins
+    sums = back.coins and device._exponent_sums(back, list(range(len(classic))))
+    assert sums and all(s is not None for s in sums)
+    assert device.decrypt_ranks(back, range(len(classic))) == classic
+
+
+def test_tampered_coins_fall_back_to_classic_decryption(
+    device: PackedPaillierBackend, coordinator: PackedPaillierBackend
+) -> None:
+    agg, classic = _round(device, coordinator)
+    everything = list(range(len(classic)))
+    flipped = agg.members.copy()
+    flipped[1] = ~flipped[1]
+    for bad in (
+        dataclasses.replace(agg, coins=agg.coins[::-1]),  # coins of another contributor
+        dataclasses.replace(agg, coins=(agg.coins[0][:-1], *agg.coins[1:])),  # truncated
+        dataclasses.replace(agg, coins=(b"", *agg.coins[1:])),  # a contributor without coins
+        dataclasses.replace(agg, members=flipped),  # wrong membership
+        dataclasses.replace(agg, members=agg.members[:2]),  # wrong shape
+        dataclasses.replace(agg, members=agg.members[:0], coins=()),  # none at all
+    ):
+        assert device.decrypt_ranks(bad, everything) == classic
+    with pytest.raises(Exception, match="public-only"):
+        coordinator.decrypt_ranks(agg, everything)
+
+
+def test_wire_refuses_coins_that_cannot_name_the_ciphertexts(device: PackedPaillierBackend) -> None:
+    c, _ = device.encrypt_update(np.zeros(3 * device.pack_size), 1)
+    msg = pipeline.message_from_contribution(
+        c, client_id="d", round_id=1, cluster_id=0, num_samples=1, metrics={}
+    )
+    assert len(msg.coins) == COIN_RUN.size and decode(encode(msg)) == msg
+    with pytest.raises(ValidationError):
+        dataclasses.replace(msg, coins=msg.coins + b"x")
+    with pytest.raises(ValidationError):
+        dataclasses.replace(msg, coins=msg.coins * 4)  # more runs than ciphertexts
