@@ -193,7 +193,7 @@ class ObfuscatorFactory:
                 p, q = ops.big(self.p), ops.big(self.q)
                 c["p"], c["q"], c["p2"], c["q2"] = p, q, p * p, q * q
                 c["p2inv"] = ops.invert(c["p2"], c["q2"])  # (p²)^-1 mod q² for Garner's CRT
-                c["qinv_p"], c["pinv_q"] = ops.invert(q, p), ops.invert(p, q)
+                c["pinv_q"] = ops.invert(p, q)
             if self.short:
                 self._short_consts(c)
             self._cache.update(c)
@@ -266,20 +266,26 @@ class ObfuscatorFactory:
 
     def open(self, c: Any, exponent_sum: int) -> int | None:
         """m from ``c = (1 + n·m)·h^A mod n²`` with A = ``exponent_sum`` known, or None if c is not of that
-        form (then decrypt it the classic way). Per prime: ``y = c·h^-A mod p²`` must be ``1 + p·t`` and
-        then ``m ≡ t·q^-1 (mod p)``, since ``(1 + n)^m ≡ 1 + p·(q·m mod p) (mod p²)``; CRT joins the two."""
+        form (then decrypt it the classic way).
+
+        Per prime, with ``x = h^A mod p²``: ``(1 + n)^m ≡ 1 + p·u (mod p²)`` with ``u = q·m mod p``, so
+        ``c ≡ x + p·(u·x mod p)``; hence c ≡ x (mod p) must hold (the check), and
+        ``m ≡ ((c − x mod p²)/p)·(x·q)^-1 (mod p)``, an inverse modulo p only. CRT joins the two primes.
+        """
         k = self._consts()
         if not self.can_open or exponent_sum < 0 or exponent_sum.bit_length() > 8 * len(k["tp"].rows):
             return None
         ops: IntOps = k["ops"]
-        p, q, p2, q2 = k["p"], k["q"], k["p2"], k["q2"]
         c = ops.big(c)
-        yp = c % p2 * ops.invert(k["tp"].pow(exponent_sum), p2) % p2
-        yq = c % q2 * ops.invert(k["tq"].pow(exponent_sum), q2) % q2
-        if yp % p != 1 or yq % q != 1:
-            return None
-        mp = (yp - 1) // p * k["qinv_p"] % p
-        mq = (yq - 1) // q * k["pinv_q"] % q
+        halves = []
+        for prime, square, other, table in (("p", "p2", "q", "tp"), ("q", "q2", "p", "tq")):
+            p, p2 = k[prime], k[square]
+            x = k[table].pow(exponent_sum)
+            if c % p != x % p:
+                return None
+            halves.append((c - x) % p2 // p * ops.invert(x * k[other] % p, p) % p)
+        mp, mq = halves
+        p, q = k["p"], k["q"]
         return int(mp + p * ((mq - mp) * k["pinv_q"] % q))
 
 
