@@ -43,8 +43,10 @@ class DeviceCapacity:
     federation's backend with fresh randomness (cold); ``train_s`` local training time of one round;
     ``compute`` the paper's v_i (CPU clock × cores, e.g. 2.4 × 4) when known; ``pool_values`` how many values
     the device can encrypt from its precomputed obfuscator pool (obfuscators × values per ciphertext), each at
-    the warm cost of about one modular multiplication per ciphertext; ``decrypt_values_per_s`` its measured
-    decryption throughput of an aggregate (key mode ``shared``; ``None`` until measured).
+    the warm cost of about one modular multiplication per ciphertext, measured as ``warm_values_per_s``
+    (values per second with every obfuscator from the pool; ``None`` until measured);
+    ``decrypt_values_per_s`` its measured decryption throughput of an aggregate (key mode ``shared``;
+    ``None`` until measured).
     """
 
     client_id: str
@@ -54,6 +56,7 @@ class DeviceCapacity:
     compute: float | None = None
     pool_values: int = 0
     decrypt_values_per_s: float | None = None
+    warm_values_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.client_id:
@@ -65,6 +68,8 @@ class DeviceCapacity:
             _positive("compute", self.compute)
         if self.decrypt_values_per_s is not None:
             _positive("decrypt_values_per_s", self.decrypt_values_per_s)
+        if self.warm_values_per_s is not None:
+            _positive("warm_values_per_s", self.warm_values_per_s)
         if self.pool_values < 0:
             raise ConfigError(f"pool_values must be non-negative, got {self.pool_values}")
 
@@ -185,9 +190,11 @@ def deadline_plan(
     where P = ``pool_values`` (capped at n). T is piecewise linear in k, so the largest feasible k is exact in
     closed form (no bisection). α = k/n clipped to [``floor``, 1]. Decisions: the steps are modelled as
     sequential (no overlap of encryption and upload, which errs towards meeting the deadline); the pool counts
-    only when ``encrypt_s_per_value_warm`` is given (without a measured warm cost, assuming one would risk
-    straggling); download is not counted. Per-value bytes and costs are averages: with packed backends pass
-    the ciphertext bytes and time divided by the slots.
+    only with a measured warm cost: the device's own (``warm_values_per_s``, from a round served entirely by
+    its pool) or else ``encrypt_s_per_value_warm`` for all (without one, assuming the pool would risk
+    straggling); P is what the pool held when the device's last encryption started, so a pool that does
+    not refill between rounds counts for what it did refill; download is not counted. Per-value bytes and
+    costs are averages: with packed backends pass the ciphertext bytes and time divided by the slots.
 
     **Decryption** (key mode ``shared``, ``union_factor`` given): every device of the cluster then decrypts
     the *union* of the cluster's masks, so the slowest decrypter pays for what the fastest encrypts (paper
@@ -218,10 +225,13 @@ def deadline_plan(
     if union_factor is not None and not (math.isfinite(union_factor) and union_factor >= 1.0):
         raise ConfigError(f"union_factor must be at least 1, got {union_factor}")
     n, c, p = n_values, cipher_bytes_per_value, plain_bytes_per_value
-    t_warm = encrypt_s_per_value_warm or 0.0
+
+    def t_warm_of(d: DeviceCapacity) -> float:
+        return 1.0 / d.warm_values_per_s if d.warm_values_per_s else encrypt_s_per_value_warm or 0.0
 
     def warm_of(d: DeviceCapacity) -> int:
-        return min(d.pool_values, n) if encrypt_s_per_value_warm is not None else 0
+        known = d.warm_values_per_s is not None or encrypt_s_per_value_warm is not None
+        return min(d.pool_values, n) if known else 0
 
     def share(d: DeviceCapacity) -> float:
         return 1.0 if decrypt_shares is None else float(decrypt_shares.get(d.client_id, 1.0))
@@ -234,13 +244,13 @@ def deadline_plan(
             d
             for d in devices
             if d.decrypt_values_per_s is not None
-            and _round_time(d, 0.0, n, p, c, warm_of(d), t_warm) <= deadline_s
+            and _round_time(d, 0.0, n, p, c, warm_of(d), t_warm_of(d)) <= deadline_s
         ]
 
         def fits(k: float) -> bool:
             u = min(float(n), factor * k)
             return all(
-                _round_time(d, k, n, p, c, warm_of(d), t_warm) + share(d) * u / d.decrypt_values_per_s  # type: ignore[operator]
+                _round_time(d, k, n, p, c, warm_of(d), t_warm_of(d)) + share(d) * u / d.decrypt_values_per_s  # type: ignore[operator]
                 <= deadline_s
                 for d in binding
             )
@@ -254,7 +264,7 @@ def deadline_plan(
         union = min(float(n), factor * cap)
     plan: dict[str, DeadlineBudget] = {}
     for d in devices:
-        warm = warm_of(d)
+        warm, t_warm = warm_of(d), t_warm_of(d)
         dec_s = (
             share(d) * union / d.decrypt_values_per_s
             if union_factor is not None and d.decrypt_values_per_s

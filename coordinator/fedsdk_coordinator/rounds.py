@@ -216,7 +216,8 @@ class _Measured:
     uplink_bytes_per_s: float | None = None
     train_s: float = 0.0
     compute: float | None = None
-    pool_values: int = 0
+    pool_values: int = 0  # values the device's obfuscator pool held when its last encryption started
+    warm_values_per_s: float | None = None  # encryption throughput with every obfuscator from the pool
     decrypt_values_per_s: float | None = None  # of an aggregate's union (key mode shared), from reports
 
     def blend(self, name: str, value: float, weight: float = 0.5) -> None:
@@ -692,9 +693,13 @@ class RoundEngine:
             m.blend("train_s", train_s)
         enc_s = msg.metrics.get("encrypt_s", 0.0)
         if isinstance(msg, EncryptedUpdate) and self.he is not None and enc_s > 0:
-            cold = int(msg.pack_mask.sum()) - int(msg.metrics.get("from_pool", 0.0))
+            encrypted = int(msg.pack_mask.sum())
+            cold = encrypted - int(msg.metrics.get("from_pool", 0.0))
             if cold > 0:
                 m.blend("he_values_per_s", cold * self.he.pack_size / enc_s)
+            elif encrypted > 0:  # all from the pool: the warm cost, and what the pool could give
+                m.blend("warm_values_per_s", encrypted * self.he.pack_size / enc_s)
+            m.pool_values = int(msg.metrics.get("pool_ready", 0.0)) * self.he.pack_size
 
     # -- budgets (paper 000 §3.2, and ours) -------------------------------------------------------
     def _shares(self, members: Sequence[str]) -> dict[str, tuple[float, float]]:
@@ -758,6 +763,7 @@ class RoundEngine:
             train_s=m.train_s,
             compute=m.compute,
             pool_values=m.pool_values,
+            warm_values_per_s=m.warm_values_per_s,
             decrypt_values_per_s=m.decrypt_values_per_s,
         )
 

@@ -69,6 +69,7 @@ from fedsdk import __version__, pipeline
 from fedsdk.coop import PeerShare, ShareBook, share_ranks, share_wait
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.base import Aggregate as HEAggregate
+from fedsdk.crypto.pool import auto_capacity
 from fedsdk.crypto.shares import ShareSealer
 from fedsdk.errors import (
     ConfigError,
@@ -177,7 +178,7 @@ class FedClient:
         trainer: Trainer | None = None,
         eval_data: tuple[np.ndarray, np.ndarray] | None = None,
         he: HEBackend | None = None,
-        pool_capacity: int = 0,
+        pool_capacity: int | None = None,
         tls: TlsConfig | None = None,
         insecure: bool = False,
         timeout: float = 10.0,
@@ -255,9 +256,21 @@ class FedClient:
         await self._transport.subscribe(T.down(self.federation, self.client_id))
         if self._probe_bytes > 0:
             self._uplink = await self._probe_uplink()
-        if self._he is not None and self._pool_capacity > 0 and hasattr(self._he, "start_pool"):
+        if self._he is not None and self._pool_capacity and hasattr(self._he, "start_pool"):
             self._he.start_pool(self._pool_capacity)  # idle-time obfuscators (DESIGN.md, Crypto)
         return self
+
+    def _size_pool(self, n_values: int) -> None:
+        """With the default pool (``pool_capacity=None``): start or resize it for this model, before training,
+        so that it fills while the device trains and between rounds (``fedsdk.crypto.pool.auto_capacity``)."""
+        he = self._he
+        if self._pool_capacity is not None or he is None or not hasattr(he, "start_pool"):
+            return
+        bits = int(he.keys.key_bits)  # type: ignore[attr-defined]  # the packed backend's keys
+        want = auto_capacity(he.num_packs(n_values), bits)
+        pool = getattr(he, "pool", None)
+        if pool is None or pool.capacity != want:
+            he.start_pool(want)
 
     async def __aexit__(self, *exc: object) -> None:
         if self._state == "open":
@@ -597,6 +610,8 @@ class FedClient:
         )
 
     def _train_and_protect(self, task: Task, base: list[np.ndarray]) -> tuple[BaseMessage, dict[str, Any]]:
+        if str(task.config.get("mask", "none")) != "none":
+            self._size_pool(sum(int(b.size) for b in base))
         result = self._fit(task, base)
         delta = [np.asarray(n, dtype=np.float32) - b for n, b in zip(result.weights, base, strict=True)]
         record: dict[str, Any] = {

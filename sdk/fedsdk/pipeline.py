@@ -354,6 +354,7 @@ def protect(
         "encrypt_s": report.encrypt_seconds,
         "clipped": float(report.clipped),
         "from_pool": float(report.from_pool),
+        "pool_ready": float(report.pool_ready),
         "cipher_bytes": float(report.ciphertext_bytes),
         "plain_bytes": float(report.plaintext_bytes),
     }

@@ -100,6 +100,19 @@ def test_deadline_budget_with_a_warm_pool_by_hand() -> None:
     assert plan.alpha == 1.0 and plan.predicted_s == pytest.approx(1 + 0.1 + 8.0)
 
 
+def test_a_device_measured_warm_cost_counts_its_pool_without_a_global_one() -> None:
+    # the same device and pool as above, with its own measured warm speed of 10,000 values/s (0.1 ms)
+    dev = DeviceCapacity(
+        "a", uplink_bytes_per_s=1000, he_values_per_s=500, train_s=1.0, pool_values=500, warm_values_per_s=1e4
+    )
+    assert deadline_budgets([dev], deadline_s=10.0, **COMMON)["a"] == pytest.approx(0.99166666, rel=1e-6)
+    # its own speed wins over the global guess
+    slow = deadline_budgets([dev], deadline_s=10.0, encrypt_s_per_value_warm=1.0, **COMMON)["a"]
+    assert slow == pytest.approx(0.99166666, rel=1e-6)
+    with pytest.raises(ConfigError):
+        dataclasses.replace(dev, warm_values_per_s=0.0)
+
+
 def test_a_device_that_can_encrypt_everything_gets_one() -> None:
     dev = DeviceCapacity("a", uplink_bytes_per_s=1000, he_values_per_s=500, train_s=1.0)
     plan = deadline_plan([dev], deadline_s=11.0, **COMMON)["a"]  # T(1000) = 11 exactly

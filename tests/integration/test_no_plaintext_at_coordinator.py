@@ -357,6 +357,8 @@ async def federate(
             await read_endpoints(http, endpoints)
             assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
             assert all(s.withheld == 0 for s in summaries)
+            if device_he is not None:  # the default pool filled while they trained, and the budgets know it
+                assert all(engine.measured[t.client_id].pool_values > 0 for t in trainers), engine.measured
             clusters = dict(engine.clusters) or dict.fromkeys(DEVICES, 0)
             budgets = {
                 f"round {rec.round_id} {k}": float(v)

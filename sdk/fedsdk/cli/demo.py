@@ -157,8 +157,8 @@ def _run_in(work: Path, args: argparse.Namespace, co: Any) -> int:
     for cid in ids:
         if strat.backend:
             extra[cid] += ["--he", str(keys["device"])]
-            if strat.pool:
-                extra[cid] += ["--pool", "256"]
+            if not strat.pool:
+                extra[cid] += ["--pool", "0"]
         extra[cid] += ["--eval-data", str(files[cid]["eval"])]
         if args.self_audit:
             extra[cid] += ["--self-audit"]

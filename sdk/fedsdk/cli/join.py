@@ -30,6 +30,18 @@ from fedsdk.cli._common import add_tls_options, tls_from_args
 from fedsdk.errors import ConfigError
 
 
+def _pool_size(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pool takes a number or 'auto', not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("--pool must be 0 (off), a positive number or 'auto'")
+    return value
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("join", help="join a federation as a device", description=__doc__)
     p.add_argument("broker", nargs="?", help="broker URL, e.g. mqtts://broker.local:8883 (or from --kit)")
@@ -48,7 +60,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the device's run summary here")
     p.add_argument("--he", metavar="DIR", help="the federation's HE key folder (he.json, he_public.bin)")
     p.add_argument(
-        "--pool", type=int, default=0, help="obfuscators to precompute while idle (packed backend)"
+        "--pool",
+        type=_pool_size,
+        default=None,
+        metavar="N|auto",
+        help="obfuscators to precompute while idle (packed backend); default auto: two updates' worth of "
+        "the federation's model, at most 64 MiB; 0 turns the pool off",
     )
     p.add_argument("--eval-data", metavar="FILE", help=".npz to evaluate each new model on (reported)")
     p.add_argument("--eval-digits", action="store_true", help="evaluate on the held-out handwritten digits")

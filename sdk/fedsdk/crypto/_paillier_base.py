@@ -86,6 +86,8 @@ class PaillierFamily(HEBackend):
         """``count`` fresh obfuscators: pool first, then parallel (when it pays) or inline."""
         got: list[Obfuscator] = []
         if self.pool is not None and self.pool.state == "running":
+            if report is not None:
+                report.pool_ready = len(self.pool)
             got = self.pool.take(count)
         missing = count - len(got)
         if report is not None:

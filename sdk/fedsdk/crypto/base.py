@@ -63,6 +63,7 @@ class EncodeReport:
     encode_seconds: float = 0.0
     encrypt_seconds: float = 0.0
     from_pool: int = 0
+    pool_ready: int = 0  # obfuscators the pool held when encryption started
     computed: int = 0
     parallel: bool = False
     ciphertext_bytes: int = 0

@@ -31,7 +31,25 @@ from fedsdk.crypto._intmath import allow_release_gil, gmpy2_enabled
 from fedsdk.crypto.obfuscator import Obfuscator, ObfuscatorFactory
 from fedsdk.errors import ConfigError, StateError
 
-__all__ = ["ObfuscatorPool", "lower_priority"]
+__all__ = ["AUTO_POOL_MAX_BYTES", "AUTO_POOL_UPDATES", "ObfuscatorPool", "auto_capacity", "lower_priority"]
+
+AUTO_POOL_UPDATES = 2
+AUTO_POOL_MAX_BYTES = 64 * 2**20
+
+
+def auto_capacity(packs_per_update: int, key_bits: int) -> int:
+    """The pool a device keeps by default: two whole updates of obfuscators, at most 64 MiB of them.
+
+    Decision: one update's worth is what the round's critical path needs to see no cold encryption (every
+    pack encrypted, the most the device may be asked); the second covers a round that starts before the
+    idle time after the last one refilled the first. More would only help bursts: in the steady state the
+    pool serves what it makes between two rounds, whatever its size, and the coordinator's budgets count
+    what the pool held when the device's last encryption started (``pool_ready``). An obfuscator costs
+    about 3·|n|/8 bytes (x below n², x mod n) plus object overhead.
+    """
+    per = 3 * int(key_bits) // 8 + 120
+    return max(1, min(AUTO_POOL_UPDATES * int(packs_per_update), AUTO_POOL_MAX_BYTES // per))
+
 
 WorkerKind = Literal["thread", "process"]
 

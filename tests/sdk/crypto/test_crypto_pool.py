@@ -19,6 +19,7 @@ from fedsdk.crypto import (
     ParallelPaillier,
 )
 from fedsdk.crypto._intmath import HAVE_GMPY2
+from fedsdk.crypto.pool import AUTO_POOL_MAX_BYTES, auto_capacity
 from fedsdk.errors import ConfigError, StateError
 
 
@@ -169,3 +170,11 @@ def test_large_aggregates_decrypt_in_parallel(keys: PaillierKeys) -> None:
         assert b._parallel.decrypt([int(c) for c in cts]) == [b.raw_decrypt(c) for c in cts]
         np.testing.assert_allclose(b.decrypt_aggregate(agg), x, atol=b.quantisation_bound)
         assert b._parallel.unavailable is None
+
+
+def test_default_pool_holds_two_updates_within_64_mib() -> None:
+    assert auto_capacity(93, 2048) == 186  # the mlp preset at 2048-bit keys: 93 packs an update
+    big = auto_capacity(19_231, 2048)  # a 1 M-parameter model
+    assert big == 2 * 19_231 and big * (3 * 2048 // 8) < AUTO_POOL_MAX_BYTES
+    assert auto_capacity(10**6, 4096) * (3 * 4096 // 8) <= AUTO_POOL_MAX_BYTES
+    assert auto_capacity(0, 2048) == 1
