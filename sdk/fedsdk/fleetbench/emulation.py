@@ -122,7 +122,7 @@ class Dilation:
 
 @dataclass(frozen=True)
 class DilatedFactory(ObfuscatorFactory):
-    """An obfuscator factory whose every ``r^n mod n²`` takes ``k`` times its CPU time (the pool refill of
+    """An obfuscator factory whose every obfuscator takes ``k`` times its CPU time (the pool refill of
     a slow device is slow). Inside a dilated step (cold encryption) it is part of that step."""
 
     dilation: Dilation | None = field(default=None, compare=False, repr=False)

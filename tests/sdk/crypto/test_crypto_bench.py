@@ -40,7 +40,14 @@ def test_quick_benchmark_prints_a_table_and_writes_json(
         "packed warm / phe",
         "packed bytes/value",
         "packed add values/s/core",
+        "packed encrypt CPU-s per million values",
+        "packed decrypt CPU-s per million values",
     }
+    cpu = next(r for r in data["results"] if r["backend"] == "packed")
+    assert cpu["online_from_pool"] == -(-300 // cpu["pack_size"])  # every obfuscator was ready
+    assert 0 < cpu["online_cpu_per_m"] < cpu["enc_cpu_per_m"]
+    assert 0 < cpu["dec_cpu_per_m"] < cpu["dec_classic_cpu_per_m"]  # opened with the known exponents
+    assert "device CPU-seconds per million values" in text
 
 
 def test_script_wrapper_runs(tmp_path: Path) -> None:
