@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend
 from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
@@ -27,4 +28,17 @@ def make_engine(tmp_path: Path, he: HEBackend | None, **config: Any) -> RoundEng
         eval_data=None,
         publish=publish,
         he=he,
+    )
+
+
+def device(broker: Any, engine: RoundEngine, cid: str, data: Any, **options: Any) -> FedClient:
+    """A plain-TCP FedClient of ``engine``'s federation on ``broker`` (no uplink probe)."""
+    return FedClient(
+        broker.url,
+        client_id=cid,
+        federation=engine.config.federation,
+        data=data,
+        insecure=True,
+        probe_bytes=0,
+        **options,
     )

@@ -29,6 +29,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import MosquittoProcess, require_mosquitto
+from engines import device
 from fedsdk.client import FedClient
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.protocol import Status, decode
@@ -66,17 +67,6 @@ async def coordinator(
     )
     async with TestClient(TestServer(create_app(config))) as http:
         yield http, http.app[ENGINE]
-
-
-def device(broker: MosquittoProcess, engine: RoundEngine, cid: str, data: Any) -> FedClient:
-    return FedClient(
-        broker.url,
-        client_id=cid,
-        federation=engine.config.federation,
-        data=data,
-        insecure=True,
-        probe_bytes=0,
-    )
 
 
 async def join_proc(

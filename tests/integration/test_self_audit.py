@@ -31,7 +31,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import MosquittoProcess, require_mosquitto
-from fedsdk.client import FedClient
+from engines import device
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model.data import load_digits, partition_iid, save_npz
@@ -80,18 +80,6 @@ async def coordinator(
     )
     async with TestClient(TestServer(create_app(config))) as http:
         yield http, http.app[ENGINE]
-
-
-def device(broker: MosquittoProcess, engine: RoundEngine, cid: str, data: Any, **options: Any) -> FedClient:
-    return FedClient(
-        broker.url,
-        client_id=cid,
-        federation=engine.config.federation,
-        data=data,
-        insecure=True,
-        probe_bytes=0,
-        **options,
-    )
 
 
 async def test_plaintext_a_leaking_update_is_withheld_and_counted(
