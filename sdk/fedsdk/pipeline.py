@@ -234,8 +234,11 @@ def choose_mask(
         )
         hint = config.get("mask_consensus")
         prefer = decode_pack_mask(str(hint), n_packs) if hint else None
-        res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
-        mask, gave_way = res.mask, res.gave_way
+        if config.get("mask_fill") and budget >= 1.0:
+            mask = np.ones(n_packs, dtype=bool)  # the fill takes every pack: eq. 4-9 cannot change that
+        else:
+            res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
+            mask, gave_way = res.mask, res.gave_way
         leak_db = float(config.get("mask_leak_db", 0.0))
         if leak_db > 0 and samples is not None:
             shapes = [tuple(np.shape(w)) for w in weights]

@@ -672,3 +672,27 @@ def test_choose_mask_fills_to_the_budget_under_the_fedsdk_strategy() -> None:
         if budget == 1.0:
             assert paper.ratio < 1.0, "eq. 4 alone leaves part of the update in the clear at α = 1"
             assert filled.mask.all()
+
+
+def test_a_full_fill_skips_the_solver_and_keeps_the_leakage_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At α = 1 under the fill every pack is encrypted whatever eq. 4-9 choose, so the solver is not run
+    (it cost a slow device more than its whole encryption); the device's leakage count is still reported."""
+    import fedsdk.pipeline as pipeline
+
+    rng = np.random.default_rng(6)
+    shapes = [(8, 16), (8,), (3, 8), (3,)]
+    weights = [rng.normal(size=s) for s in shapes]
+    update = np.concatenate([rng.normal(scale=0.01, size=int(np.prod(s))) for s in shapes])
+    samples = rng.random((5, 16))
+    kw = {"weights": weights, "gradients": weights, "update": update, "pack_size": 4, "samples": samples}
+    cfg = {"mask": "solver", "budget": 1.0, "mask_fill": True, "mask_leak_db": 25.0}
+
+    def no_solver(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the solver ran although the fill encrypts everything")
+
+    monkeypatch.setattr(pipeline, "solve_mask", no_solver)
+    full = pipeline.choose_mask(cfg, **kw)
+    assert full.mask.all() and full.ratio == 1.0 and full.covered == 1.0 and full.gave_way is None
+    assert full.counts["leak_rows"] >= 0 and full.counts["leak_packs"] == 0
+    with pytest.raises(AssertionError, match="solver ran"):
+        pipeline.choose_mask({**cfg, "budget": 0.99}, **kw)

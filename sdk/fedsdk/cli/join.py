@@ -28,6 +28,7 @@ from typing import Any
 
 from fedsdk.cli._common import add_tls_options, tls_from_args
 from fedsdk.errors import ConfigError
+from fedsdk.heap import freeze_long_lived
 
 
 def _pool_size(text: str) -> int | None:
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             self_audit=args.self_audit,
             self_audit_db=args.self_audit_db,
         ) as client:
+            freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
             return await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)
 
     try:

@@ -28,6 +28,7 @@ Plaintext packs travel as ``ceil(k·s/8)`` little-endian bytes; ciphertexts as 2
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -220,12 +221,7 @@ class PackedPaillierBackend(PaillierFamily):
         members = np.asarray(agg.members, dtype=bool)
         if not agg.coins or not self.factory.can_open or members.shape != (len(agg.coins), agg.mask.size):
             return [None] * len(ranks)
-        rows: list[list[Tag] | None] = []
-        for row, coins in zip(members, agg.coins, strict=True):
-            try:
-                rows.append(unpack_coins(coins, int(row.sum())) if coins else None)
-            except CiphertextError:
-                rows.append(None)
+        rows = _coin_rows(tuple(agg.coins), tuple(int(k) for k in members.sum(axis=1)))
         position = np.cumsum(members, axis=1) - 1  # rank of a pack among each contributor's ciphertexts
         exponent = self.factory.exponent
         out: list[int | None] = []
@@ -292,3 +288,17 @@ class PackedPaillierBackend(PaillierFamily):
             raise EncodingError(
                 f"plaintext slot above w·U = {c.weight * self.fixed.max_code}: refused, it could overflow"
             )
+
+
+@functools.lru_cache(maxsize=4)
+def _coin_rows(coins: tuple[bytes, ...], counts: tuple[int, ...]) -> tuple[list[Tag] | None, ...]:
+    """Each contributor's tags (None where its coins are missing or malformed), kept for the few
+    aggregates a device is decrypting: a cooperative decryption calls :meth:`decrypt_ranks` several times
+    on one aggregate. Tags are public (they travel on the wire); the exponents are not cached."""
+    rows: list[list[Tag] | None] = []
+    for data, count in zip(coins, counts, strict=True):
+        try:
+            rows.append(unpack_coins(data, count) if data else None)
+        except CiphertextError:
+            rows.append(None)
+    return tuple(rows)

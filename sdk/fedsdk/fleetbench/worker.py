@@ -26,6 +26,7 @@ from typing import Any
 
 from fedsdk.fleetbench.emulation import EmulatedClient
 from fedsdk.fleetbench.scenarios import DeviceProfile
+from fedsdk.heap import freeze_long_lived
 from fedsdk.hekeys import load_he
 from fedsdk.model.data import load_npz
 
@@ -62,6 +63,7 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
     async with AsyncExitStack() as stack:
         for c in clients:
             await stack.enter_async_context(c)
+        freeze_long_lived()  # as fedsdk join does (heap.py)
         await asyncio.gather(*(c.run(timeout=float(spec["timeout"])) for c in clients))
     return [c.result() for c in clients]
 
