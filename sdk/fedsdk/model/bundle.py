@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 
 from fedsdk.errors import ConfigError
 
-__all__ = ["EVAL_OUTPUT", "GRAD_PREFIX", "LOSS_OUTPUT", "MASK_PREFIX", "META_DROPOUT", "GraphBundle"]
+__all__ = [
+    "EVAL_OUTPUT",
+    "GRAD_PREFIX",
+    "LOSS_OUTPUT",
+    "MASK_PREFIX",
+    "META_DROPOUT",
+    "META_TASK",
+    "TASKS",
+    "GraphBundle",
+]
 
 #: graph input/output naming shared by the builder and the executor
 LOSS_OUTPUT = "loss"
@@ -24,6 +33,10 @@ GRAD_PREFIX = "grad."
 MASK_PREFIX = "dropout_mask."
 #: metadata key of the training graph: JSON ``{mask input name: drop probability}``
 META_DROPOUT = "fedsdk.dropout"
+#: metadata key of both graphs: the task, which fixes the loss, the target type and the metric (absent:
+#: classification, integer labels)
+META_TASK = "fedsdk.task"
+TASKS = ("classification", "regression", "multilabel")
 
 
 @dataclass(frozen=True)

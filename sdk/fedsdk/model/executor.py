@@ -20,7 +20,16 @@ import numpy as np
 import onnxruntime as ort
 
 from fedsdk.errors import ConfigError, TrainingError
-from fedsdk.model.bundle import EVAL_OUTPUT, GRAD_PREFIX, LOSS_OUTPUT, META_DROPOUT, GraphBundle, check_layout
+from fedsdk.model.bundle import (
+    EVAL_OUTPUT,
+    GRAD_PREFIX,
+    LOSS_OUTPUT,
+    META_DROPOUT,
+    META_TASK,
+    TASKS,
+    GraphBundle,
+    check_layout,
+)
 
 __all__ = ["OnnxModel"]
 
@@ -105,7 +114,15 @@ class OnnxModel:
         self.input_shape: tuple[int, ...] = tuple(x.shape[1:])
         out_shape = self._eval.get_outputs()[0].shape
         self.num_classes = int(out_shape[1]) if isinstance(out_shape[1], int) else -1
+        self.output_shape: tuple[int, ...] = tuple(
+            int(d) if isinstance(d, int) else -1 for d in out_shape[1:]
+        )
         meta = self._train.get_modelmeta().custom_metadata_map
+        self.task = meta.get(META_TASK, "classification")
+        if self.task not in TASKS:
+            raise TrainingError(
+                f"the graphs are for task {self.task!r}; this device knows {', '.join(TASKS)}"
+            )
         self.dropout_rates: dict[str, float] = json.loads(meta.get(META_DROPOUT, "{}"))
         self._mask_shapes = {m: tuple(t_inputs[m].shape[1:]) for m in self.dropout_rates}
         expected = {"x", "y", *self.param_names, *self.dropout_rates}
@@ -133,6 +150,11 @@ class OnnxModel:
             )
         if y is None:
             return xa, None
+        if self.task != "classification":  # float targets shaped like the output
+            yf = np.ascontiguousarray(y, dtype=self.dtype)
+            if yf.shape != (xa.shape[0], *self.output_shape):
+                raise TrainingError(f"y has shape {yf.shape}, expected ({xa.shape[0]}, {self.output_shape})")
+            return xa, yf
         ya = np.ascontiguousarray(y, dtype=np.int64)
         if ya.shape != (xa.shape[0],):
             raise TrainingError(f"y has shape {ya.shape}, expected ({xa.shape[0]},)")
@@ -204,21 +226,40 @@ class OnnxModel:
         except Exception as exc:
             raise TrainingError(f"evaluation failed in onnxruntime: {exc}") from exc
 
+    @property
+    def metric_name(self) -> str:
+        """What :meth:`evaluate`'s second figure is: ``accuracy`` (classes), ``mae`` (regression, mean
+        absolute error over every output value) or ``label_accuracy`` (multi-label, over every label)."""
+        return {"classification": "accuracy", "regression": "mae", "multilabel": "label_accuracy"}[self.task]
+
     def evaluate(
         self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray, batch_size: int = 256
     ) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy over ``(x, y)``, in batches of ``batch_size``."""
+        """The task's mean loss over ``(x, y)`` and its metric (:attr:`metric_name`), in batches of
+        ``batch_size``: cross-entropy and accuracy, squared error and absolute error, or binary
+        cross-entropy and the share of labels right."""
         if batch_size < 1:
             raise ConfigError("batch_size must be positive")
         xa, ya = self.check_batch(x, y)
         assert ya is not None
         ps = self.check_params(params)
-        total_loss, correct = 0.0, 0
+        total_loss, metric = 0.0, 0.0
         for start in range(0, len(xa), batch_size):
             z = self._raw_logits(ps, xa[start : start + batch_size]).astype(np.float64)
             yb = ya[start : start + batch_size]
-            z -= z.max(axis=1, keepdims=True)
-            log_norm = np.log(np.exp(z).sum(axis=1))
-            total_loss += float((log_norm - z[np.arange(len(yb)), yb]).sum())
-            correct += int((z.argmax(axis=1) == yb).sum())
-        return total_loss / len(xa), correct / len(xa)
+            if self.task == "classification":
+                z -= z.max(axis=1, keepdims=True)
+                log_norm = np.log(np.exp(z).sum(axis=1))
+                total_loss += float((log_norm - z[np.arange(len(yb)), yb]).sum())
+                metric += float((z.argmax(axis=1) == yb).sum())
+                continue
+            per = max(int(np.prod(z.shape[1:])), 1)
+            t = yb.astype(np.float64)
+            if self.task == "regression":
+                total_loss += float(((z - t) ** 2).sum()) / per
+                metric += float(np.abs(z - t).sum()) / per
+            else:
+                bce = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
+                total_loss += float(bce.sum()) / per
+                metric += float(((z > 0) == (t > 0.5)).sum()) / per
+        return total_loss / len(xa), metric / len(xa)

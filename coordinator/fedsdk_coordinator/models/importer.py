@@ -1,0 +1,540 @@
+"""Import an ONNX inference graph and write its training-step and evaluation graphs (coordinator side).
+
+Input: a model as ``torch.onnx.export`` writes it (opsets 13–20, weights as initializers, one input ``x``
+with the batch first, one output). Output: a :class:`~fedsdk.model.GraphBundle` that a device runs on stock
+onnxruntime (:class:`~fedsdk.model.OnnxModel`), and the initial weights from the file.
+
+What the import does:
+
+1. **Checks** the model: one input and one output, float32, default-domain operators only, opset 13–20
+   (converted to the builder's opset 17 with onnx's version converter), batch axis made symbolic (``N``).
+2. **Finds the parameters**: every float initializer of rank ≥ 1 that feeds a differentiable input of a
+   node (a weight, a bias, an embedding table). Rank-0 float initializers and integer ones (shapes, axes,
+   indices) stay constants. Parameters become graph *inputs* (the weights travel as numpy arrays).
+3. **Walks the graph backwards** from the loss (reverse-mode automatic differentiation over the node DAG):
+   a tensor used by several nodes (a residual connection) receives the sum of its consumers' gradients;
+   each node's gradient comes from its operator's rule (:mod:`.rules`). A node on the path from a
+   parameter to the output whose operator has no rule is refused here, with the node's name, its operator
+   and the supported list; nodes off that path (shape arithmetic) may use the shape operators listed in
+   :data:`SHAPE_OPS`.
+4. **Adds the loss** of the task: ``classification`` (softmax cross-entropy over class logits, integer
+   labels), ``regression`` (mean squared error over every output value, float targets), ``multilabel``
+   (binary cross-entropy with logits, mean over every output value, float 0/1 targets). Each is the mean
+   PyTorch's loss of the same name computes (``CrossEntropyLoss``, ``MSELoss``, ``BCEWithLogitsLoss``).
+5. **Dropout** becomes a multiplication by a mask input in the training graph (drawn by the device,
+   :mod:`fedsdk.model.executor`) and the identity in the evaluation graph.
+6. **Tries the graphs** in onnxruntime on a batch of two zero samples, so a graph that onnxruntime refuses
+   fails here, on the coordinator, and never on a device mid-round.
+
+BatchNormalization is not yet differentiated: export the model in evaluation mode (PyTorch then folds each
+BatchNorm into the convolution before it), or it is refused with that advice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedsdk.errors import ConfigError
+from fedsdk.model.bundle import (
+    EVAL_OUTPUT,
+    GRAD_PREFIX,
+    LOSS_OUTPUT,
+    MASK_PREFIX,
+    META_DROPOUT,
+    META_TASK,
+    TASKS,
+    GraphBundle,
+)
+from fedsdk_coordinator.models.graph import GraphWriter, Shape
+from fedsdk_coordinator.models.rules import RULES, Node
+
+__all__ = ["META_TASK", "OPSET", "SHAPE_OPS", "TASKS", "ImportedModel", "import_onnx", "supported_ops"]
+
+OPSET = 17
+IR_VERSION = 8
+OPSETS = range(13, 21)
+#: operators allowed off the gradient path (shape arithmetic of exported reshapes)
+SHAPE_OPS = frozenset(
+    {
+        "Cast",
+        "Concat",
+        "Constant",
+        "ConstantOfShape",
+        "Div",
+        "Equal",
+        "Expand",
+        "Gather",
+        "Identity",
+        "Mul",
+        "Range",
+        "Reshape",
+        "Shape",
+        "Slice",
+        "Squeeze",
+        "Sub",
+        "Add",
+        "Unsqueeze",
+        "Where",
+    }
+)
+#: which inputs of an operator carry a gradient (default: all)
+_DIFFERENTIABLE = {
+    "Clip": (0,),
+    "Reshape": (0,),
+    "Expand": (0,),
+    "Squeeze": (0,),
+    "Unsqueeze": (0,),
+    "Gather": (0,),
+    "Slice": (0,),
+    "Dropout": (0,),
+}
+
+
+def supported_ops() -> list[str]:
+    """Operators that may lie on the path from a parameter to the output (plus ``Dropout``)."""
+    return sorted({*RULES, "Dropout"})
+
+
+@dataclass(frozen=True)
+class ImportedModel:
+    """The graphs a federation trains, the initial weights from the file, and what the import found."""
+
+    bundle: GraphBundle
+    weights: list[np.ndarray]
+    task: str
+    opset: int  # of the file, before conversion
+    dropout: dict[str, float]
+
+
+def _load(onnx: Any, source: str | Path | bytes) -> Any:
+    try:
+        if isinstance(source, bytes):
+            return onnx.load_from_string(source)
+        return onnx.load(str(source))
+    except Exception as exc:  # protobuf's DecodeError, OSError
+        raise ConfigError(
+            f"cannot read the ONNX model {source if not isinstance(source, bytes) else ''}: {exc}"
+        ) from exc
+
+
+def _opset(model: Any) -> int:
+    versions = {o.domain: int(o.version) for o in model.opset_import}
+    other = sorted(d for d in versions if d not in ("", "ai.onnx"))
+    if other:
+        raise ConfigError(
+            f"the model uses operator domains {other}; only the default ONNX domain is supported"
+        )
+    version = versions.get("", versions.get("ai.onnx", 0))
+    if version not in OPSETS:
+        raise ConfigError(
+            f"the model has opset {version}; opsets {OPSETS.start}–{OPSETS.stop - 1} are supported"
+        )
+    return version
+
+
+def _rename(model: Any, x_name: str) -> None:
+    """Make the model's tensor names safe beside the names the graphs reserve: the input becomes ``x``,
+    and any other tensor named ``x``, ``y``, ``loss``, ``logits`` or starting ``grad.``, ``dropout_mask.``
+    or ``g/`` gets the prefix ``m/``."""
+    reserved = {"x", "y", LOSS_OUTPUT, EVAL_OUTPUT}
+
+    def new(name: str) -> str:
+        if name == x_name:
+            return "x"
+        if name in reserved or name.startswith((GRAD_PREFIX, MASK_PREFIX, "g/")):
+            return "m/" + name
+        return name
+
+    g = model.graph
+    for n in g.node:
+        n.input[:] = [new(i) if i else i for i in n.input]
+        n.output[:] = [new(o) if o else o for o in n.output]
+    for coll in (g.initializer,):
+        for t in coll:
+            t.name = new(t.name)
+    for vi in [*g.input, *g.output, *g.value_info]:
+        vi.name = new(vi.name)
+
+
+def _shapes(onnx: Any, model: Any) -> dict[str, Shape]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        raise ConfigError(f"ONNX shape inference failed on the model: {exc}") from exc
+    out: dict[str, Shape] = {}
+    g = inferred.graph
+    for vi in [*g.input, *g.value_info, *g.output]:
+        t = vi.type.tensor_type
+        if not t.HasField("shape"):
+            continue
+        out[vi.name] = tuple(
+            int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
+        )
+    for init in g.initializer:
+        out[init.name] = tuple(int(d) for d in init.dims)
+    return out
+
+
+def _nodes(onnx: Any, model: Any) -> list[Node]:
+    get = onnx.helper.get_attribute_value
+    nodes = []
+    for k, n in enumerate(model.graph.node):
+        if n.domain not in ("", "ai.onnx"):
+            raise ConfigError(
+                f"node {n.name or k!r}: operator {n.domain}.{n.op_type} is not in the ONNX domain"
+            )
+        attrs = {a.name: get(a) for a in n.attribute}
+        attrs = {k2: (v.decode() if isinstance(v, bytes) else v) for k2, v in attrs.items()}
+        nodes.append(Node(n.op_type, list(n.input), list(n.output), attrs, n.name or f"node{k}"))
+    return nodes
+
+
+def _dropout_rate(node: Node, consts: dict[str, np.ndarray]) -> float:
+    if len(node.inputs) > 1 and node.inputs[1]:
+        if node.inputs[1] not in consts:
+            raise ConfigError(f"Dropout {node.name!r}: its ratio must be a constant")
+        return float(consts[node.inputs[1]])
+    return float(node.attr("ratio", 0.5))
+
+
+def import_onnx(source: str | Path | bytes, *, task: str = "classification") -> ImportedModel:
+    """Import ``source`` (a path or the bytes of an ONNX model) for ``task`` (module docstring)."""
+    onnx = _import_onnx()
+    if task not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    model = _load(onnx, source)
+    file_opset = _opset(model)
+    if file_opset != OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, OPSET)
+        except Exception as exc:
+            raise ConfigError(f"cannot convert the model from opset {file_opset} to {OPSET}: {exc}") from exc
+    g = model.graph
+    init_names = {i.name for i in g.initializer}
+    inputs = [i for i in g.input if i.name not in init_names]
+    if len(inputs) != 1 or len(g.output) != 1:
+        raise ConfigError(
+            f"the model must have one input and one output, has inputs {[i.name for i in inputs]} "
+            f"and outputs {[o.name for o in g.output]}"
+        )
+    x_info, y_info = inputs[0], g.output[0]
+    for vi in (x_info, y_info):
+        if vi.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+            kind = onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)
+            raise ConfigError(f"{vi.name!r} must be float32, not {kind}")
+    x_dims = x_info.type.tensor_type.shape.dim
+    if len(x_dims) < 2 or any(not d.HasField("dim_value") for d in x_dims[1:]):
+        raise ConfigError(f"the input {x_info.name!r} must be (batch, *static sizes)")
+    for vi in (x_info, y_info):  # the batch axis is symbolic whatever size it was exported with
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_param = "N"
+    del g.value_info[:]
+    _rename(model, x_info.name)
+    init_names = {i.name for i in g.initializer}
+    input_shape = tuple(int(d.dim_value) for d in x_dims[1:])
+    shapes = _shapes(onnx, model)
+    nodes = _nodes(onnx, model)
+    consts = {i.name: onnx.numpy_helper.to_array(i) for i in g.initializer}
+    for n in nodes:
+        if n.op_type == "Constant" and "value" in n.attrs:
+            consts[n.outputs[0]] = onnx.numpy_helper.to_array(n.attrs["value"])
+    out_shape = shapes.get(y_info.name)
+    if out_shape is None or len(out_shape) < 2 or any(not isinstance(d, int) for d in out_shape[1:]):
+        raise ConfigError(f"the output {y_info.name!r} must be (batch, *static sizes), inferred {out_shape}")
+    if task == "classification" and len(out_shape) != 2:
+        raise ConfigError(f"classification needs (batch, classes) logits, the model gives {out_shape}")
+
+    # parameters: float initializers of rank >= 1 at a differentiable input
+    params: list[str] = []
+    for n in nodes:
+        for k, name in enumerate(n.inputs):
+            arr = consts.get(name)
+            if (
+                name in init_names
+                and name not in params
+                and arr is not None
+                and arr.dtype == np.float32
+                and arr.ndim >= 1
+                and k in _DIFFERENTIABLE.get(n.op_type, range(len(n.inputs)))
+            ):
+                params.append(name)
+    if not params:
+        raise ConfigError("the model has no trainable float initializer")
+
+    # which tensors depend on a parameter: those need gradients
+    live = set(params)
+    for n in nodes:
+        diff = _DIFFERENTIABLE.get(n.op_type, range(len(n.inputs)))
+        if any(k in diff and name in live for k, name in enumerate(n.inputs)):
+            if n.op_type not in RULES and n.op_type != "Dropout":
+                hint = (
+                    " (export the model in evaluation mode: PyTorch then folds each BatchNorm into the"
+                    " convolution before it)"
+                    if n.op_type == "BatchNormalization"
+                    else ""
+                )
+                raise ConfigError(
+                    f"node {n.name!r}: operator {n.op_type} has no gradient rule{hint}; supported: "
+                    + ", ".join(supported_ops())
+                )
+            live.update(o for o in n.outputs if o)
+        elif n.op_type not in RULES and n.op_type not in SHAPE_OPS and n.op_type != "Dropout":
+            raise ConfigError(
+                f"node {n.name!r}: operator {n.op_type} is not supported; supported: "
+                + ", ".join(sorted({*supported_ops(), *SHAPE_OPS}))
+            )
+    if y_info.name not in live:
+        raise ConfigError("the output does not depend on any parameter")
+
+    dropout = {
+        f"{MASK_PREFIX}{k}": _dropout_rate(n, consts) for k, n in enumerate(nodes) if n.op_type == "Dropout"
+    }
+    meta = {META_TASK: task, "fedsdk.source_opset": str(file_opset)}
+    param_shapes = [tuple(int(d) for d in consts[p].shape) for p in params]
+    kept_inits = [i for i in g.initializer if i.name not in set(params)]
+    dropout = {k: v for k, v in dropout.items() if v > 0}
+    train = _train_graph(
+        onnx,
+        nodes,
+        shapes,
+        params,
+        param_shapes,
+        kept_inits,
+        y_info.name,
+        task,
+        input_shape,
+        out_shape,
+        live,
+        meta,
+        dropout,
+    )
+    evaluation = _eval_graph(
+        onnx, nodes, shapes, params, param_shapes, kept_inits, y_info.name, input_shape, out_shape, meta
+    )
+    bundle = GraphBundle(
+        train_graph=train,
+        eval_graph=evaluation,
+        param_names=tuple(params),
+        param_shapes=tuple(param_shapes),
+        input_shape=input_shape,
+        num_classes=int(np.prod([int(d) for d in out_shape[1:]])),  # type: ignore[arg-type]
+    )
+    weights = [np.ascontiguousarray(consts[p], dtype=np.float32) for p in params]
+    _try_graphs(bundle, weights, task)
+    return ImportedModel(bundle, weights, task, file_opset, dropout)
+
+
+def _import_onnx() -> Any:
+    try:
+        import onnx
+        import onnx.version_converter
+    except ImportError as exc:
+        raise ConfigError(
+            "importing a model needs the 'onnx' package: pip install 'fedsdk[coordinator]'"
+        ) from exc
+    return onnx
+
+
+def _forward(w: GraphWriter, nodes: Sequence[Node], train: bool, live: set[str]) -> list[Node]:
+    """Write the model's nodes; returns them as written (the backward pass differentiates these): Dropout
+    becomes a Mul by its mask input (training) or the identity, MaxPool on the gradient path also returns
+    its argmax indices."""
+    written = []
+    for k, n in enumerate(nodes):
+        if n.op_type == "Dropout":
+            mask = f"{MASK_PREFIX}{k}"
+            if train and mask in w.masks:
+                n = Node("Mul", [n.inputs[0], mask], [n.outputs[0]], {}, n.name)
+            else:
+                n = Node("Identity", [n.inputs[0]], [n.outputs[0]], {}, n.name)
+        elif (
+            train
+            and n.op_type == "MaxPool"
+            and n.inputs[0] in live
+            and (len(n.outputs) < 2 or not n.outputs[1])
+        ):
+            n = Node(n.op_type, list(n.inputs), [n.outputs[0], f"g/indices/{k}"], dict(n.attrs), n.name)
+        w.nodes.append(w.onnx.helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, **n.attrs))
+        written.append(n)
+    return written
+
+
+def _loss(w: GraphWriter, z: str, y: str, task: str, classes: int) -> str:
+    """Append the task's mean loss (output ``loss``); returns dL/dz."""
+    numel = w.op("Cast", [w.op("Size", [z])], to=w.elem)
+    if task == "classification":
+        _, log_prob = w.op("SoftmaxCrossEntropyLoss", [z, y], out=LOSS_OUTPUT, n_out=2, reduction="mean")
+        onehot = w.op(
+            "Cast",
+            [w.op("Equal", [w.op("Unsqueeze", [y, w.const([1])]), w.const(np.arange(classes))])],
+            to=w.elem,
+        )
+        batch = w.op("Cast", [w.op("Shape", [z], start=0, end=1)], to=w.elem)
+        return w.op("Div", [w.op("Sub", [w.op("Exp", [log_prob]), onehot]), batch])
+    diff = w.op("Sub", [z, y])
+    if task == "regression":
+        w.op("ReduceMean", [w.op("Mul", [diff, diff])], keepdims=0, out=LOSS_OUTPUT)
+        return w.op("Div", [w.op("Mul", [diff, w.fconst(2.0)]), numel])
+    # multilabel: max(z, 0) - z·y + log(1 + exp(-|z|))
+    terms = w.op(
+        "Add",
+        [
+            w.op("Sub", [w.op("Relu", [z]), w.op("Mul", [z, y])]),
+            w.op("Log", [w.op("Add", [w.fconst(1.0), w.op("Exp", [w.op("Neg", [w.op("Abs", [z])])])])]),
+        ],
+    )
+    w.op("ReduceMean", [terms], keepdims=0, out=LOSS_OUTPUT)
+    return w.op("Div", [w.op("Sub", [w.op("Sigmoid", [z]), y]), numel])
+
+
+def _backward(
+    w: GraphWriter, nodes: Sequence[Node], out: str, dout: str, params: Sequence[str], live: set[str]
+) -> dict[str, str]:
+    partial: dict[str, list[str]] = {out: [dout]}
+
+    def total(name: str) -> str | None:
+        parts = partial.get(name)
+        if not parts:
+            return None
+        if len(parts) > 1:
+            partial[name] = [w.op("Sum", parts)]
+        return partial[name][0]
+
+    for n in reversed(nodes):
+        dys = [total(o) if o else None for o in n.outputs]
+        if all(d is None for d in dys):
+            continue
+        diff = _DIFFERENTIABLE.get(n.op_type, range(len(n.inputs)))
+        need = [bool(name) and name in live and k in diff for k, name in enumerate(n.inputs)]
+        if not any(need):
+            continue
+        rule = RULES[n.op_type]
+        try:
+            grads = rule(w, n, dys, need)
+        except ValueError as exc:
+            raise ConfigError(f"node {n.name!r} ({n.op_type}): {exc}") from exc
+        for name, gname in zip(n.inputs, grads, strict=False):
+            if gname is not None:
+                partial.setdefault(name, []).append(gname)
+    out_grads: dict[str, str] = {}
+    for p in params:
+        g = total(p)
+        if g is None:  # a parameter the loss does not reach: a zero gradient
+            shape = w.static(p)
+            g = w.fconst(np.zeros(shape if shape is not None else ()))
+        out_grads[p] = w.op("Identity", [g], out=GRAD_PREFIX + p)
+    return out_grads
+
+
+def _io(onnx: Any, name: str, elem: int, dims: Sequence[Any]) -> Any:
+    return onnx.helper.make_tensor_value_info(name, elem, list(dims))
+
+
+def _model(
+    onnx: Any,
+    w: GraphWriter,
+    inits: Sequence[Any],
+    inputs: list[Any],
+    outputs: list[Any],
+    name: str,
+    meta: dict[str, str],
+) -> bytes:
+    graph = onnx.helper.make_graph(w.nodes, name, inputs, outputs, initializer=[*inits, *w.inits])
+    model = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)], producer_name="fedsdk"
+    )
+    model.ir_version = IR_VERSION
+    onnx.helper.set_model_props(model, meta)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise ConfigError(f"the {name} graph written for this model does not validate: {exc}") from exc
+    return bytes(model.SerializeToString())
+
+
+def _train_graph(
+    onnx: Any,
+    nodes: list[Node],
+    shapes: dict[str, Shape],
+    params: list[str],
+    param_shapes: list[tuple[int, ...]],
+    inits: list[Any],
+    out: str,
+    task: str,
+    input_shape: tuple[int, ...],
+    out_shape: Shape,
+    live: set[str],
+    meta: dict[str, str],
+    dropout: dict[str, float],
+) -> bytes:
+    w = GraphWriter(onnx, np.dtype(np.float32), shapes)
+    w.masks = dict(dropout)
+    masks = dict(dropout)
+    nodes = _forward(w, nodes, True, live)
+    classes = int(out_shape[1]) if task == "classification" else 0  # type: ignore[arg-type]
+    dz = _loss(w, out, "y", task, classes)
+    grads = _backward(w, nodes, out, dz, params, live)
+    elem = onnx.TensorProto.FLOAT
+    y = (
+        _io(onnx, "y", onnx.TensorProto.INT64, ["N"])
+        if task == "classification"
+        else _io(onnx, "y", elem, out_shape)
+    )
+    inputs = [_io(onnx, "x", elem, ["N", *input_shape]), y]
+    inputs += [_io(onnx, p, elem, s) for p, s in zip(params, param_shapes, strict=True)]
+    for m in masks:
+        k = int(m[len(MASK_PREFIX) :])
+        shape = shapes.get(nodes[k].inputs[0])
+        if shape is None or any(not isinstance(d, int) for d in shape[1:]):
+            raise ConfigError(
+                f"Dropout {nodes[k].name!r}: its input's shape must be static, inferred {shape}"
+            )
+        inputs.append(_io(onnx, m, elem, ["N", *shape[1:]]))
+    outputs = [_io(onnx, LOSS_OUTPUT, elem, [])]
+    outputs += [_io(onnx, grads[p], elem, s) for p, s in zip(params, param_shapes, strict=True)]
+    return _model(
+        onnx, w, inits, inputs, outputs, "fedsdk_train_step", {**meta, META_DROPOUT: json.dumps(masks)}
+    )
+
+
+def _eval_graph(
+    onnx: Any,
+    nodes: list[Node],
+    shapes: dict[str, Shape],
+    params: list[str],
+    param_shapes: list[tuple[int, ...]],
+    inits: list[Any],
+    out: str,
+    input_shape: tuple[int, ...],
+    out_shape: Shape,
+    meta: dict[str, str],
+) -> bytes:
+    w = GraphWriter(onnx, np.dtype(np.float32), shapes)
+    _forward(w, nodes, False, set())
+    w.op("Identity", [out], out=EVAL_OUTPUT)
+    elem = onnx.TensorProto.FLOAT
+    inputs = [_io(onnx, "x", elem, ["N", *input_shape])]
+    inputs += [_io(onnx, p, elem, s) for p, s in zip(params, param_shapes, strict=True)]
+    return _model(onnx, w, inits, inputs, [_io(onnx, EVAL_OUTPUT, elem, out_shape)], "fedsdk_eval", meta)
+
+
+def _try_graphs(bundle: GraphBundle, weights: list[np.ndarray], task: str) -> None:
+    from fedsdk.errors import TrainingError
+    from fedsdk.model.executor import OnnxModel
+
+    try:
+        model = OnnxModel.from_bundle(bundle)
+        x = np.zeros((2, *bundle.input_shape), dtype=np.float32)
+        z = model.logits(weights, x)
+        y = np.zeros(2, dtype=np.int64) if task == "classification" else np.zeros_like(z)
+        model.train_step(weights, x, y)
+    except TrainingError as exc:
+        raise ConfigError(f"onnxruntime cannot run the graphs written for this model: {exc}") from exc

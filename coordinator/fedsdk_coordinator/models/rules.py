@@ -1,0 +1,495 @@
+"""Gradient rules: for one ONNX node, the nodes that compute its inputs' gradients from its outputs'.
+
+Every rule has the signature ``rule(w, node, dys, need) -> grads``: ``w`` is the :class:`GraphWriter`,
+``node`` the forward node (:class:`Node`: op type, input and output names, attributes), ``dys`` the
+gradient tensor of each output (``None`` where no gradient flows), ``need`` which inputs want a gradient;
+it returns one gradient tensor name (or ``None``) per input. Only default-domain operators that
+onnxruntime runs on the CPU at opset 17 are emitted.
+
+The formulas are the standard reverse-mode rules (Goodfellow et al., *Deep Learning*, §6.5; Griewank &
+Walther, *Evaluating Derivatives*, 2008) with PyTorch's conventions at the points where a function has no
+derivative, so that gradients match ``torch.autograd`` exactly:
+
+* Relu: 0 at x = 0. LeakyRelu: slope ``alpha`` for x ≤ 0 (PyTorch: ``x > 0`` selects 1). Clip: 1 on
+  ``min ≤ x ≤ max`` (inclusive, as ``torch.clamp``). HardSigmoid (``alpha·x + beta``): ``alpha`` strictly
+  inside (0, 1). HardSwish: ``(2x + 3)/6`` on ``−3 < x < 3``, 1 for ``x ≥ 3``.
+* Elementwise binary operators broadcast (numpy rules); each gradient is summed back to its input's
+  shape (:meth:`GraphWriter.unbroadcast`).
+* Gemm ``Y = α·op(A)·op(B) + β·C``: ``d op(A) = α·dY·op(B)ᵀ``, ``d op(B) = α·op(A)ᵀ·dY``, each
+  written as one Gemm with the transpositions folded in; ``dC = β·dY`` summed to C's shape.
+* MatMul ``Y = A·B`` (batched, broadcasting): ``dA = dY·Bᵀ``, ``dB = Aᵀ·dY`` over the last two axes,
+  batch axes summed where an operand was broadcast (a 2-D weight: one Gemm over the flattened batch).
+* Conv (1-D, 2-D, 3-D; strides s, dilations d, pads, groups G): ``dX`` is the transposed convolution of
+  ``dY`` with the same weight, strides, dilations and groups, with ``output_padding =
+  (in + p_begin + p_end − d(k − 1) − 1) mod s`` so it has the input's size (Dumoulin & Visin 2016).
+  ``dW[g·Co + o, i, a] = Σ_{n, h} dY[n, g·Co + o, h] · Xpad[n, g·Ci + i, s·h + d·a]`` is itself a grouped
+  convolution: the input ``X`` viewed as ``(Ci, G·N, *spatial)`` (batch and channel exchanged, the groups
+  kept as channel groups), the kernel ``dY`` viewed as ``(G·Co, N, *out_spatial)``, stride ``d``, dilation
+  ``s``, the same pads, cropped to the kernel size and transposed to ``(G·Co, Ci, *k)``. Depthwise
+  convolutions (G = C) therefore cost one depthwise pass, not C².
+* MaxPool: the forward pass also returns the argmax indices (flat over the whole tensor); ``dX`` is ``dY``
+  scatter-*added* there, so overlapping windows accumulate. AveragePool: a depthwise transposed
+  convolution of ``dY`` with a ones kernel divided by each window's count. GlobalAveragePool and
+  ReduceMean spread ``dY`` evenly.
+* Shape operators (Flatten, Reshape, Squeeze, Unsqueeze, Identity): reshape ``dY`` to the input's runtime
+  shape; Transpose by the inverse permutation; Concat: slices of ``dY``.
+* Gather on a parameter (an embedding table): the rows of ``dY`` scatter-added into a zero table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedsdk_coordinator.models.graph import GraphWriter
+
+__all__ = ["RULES", "Node", "Rule"]
+
+Grads = list[str | None]
+
+
+@dataclass
+class Node:
+    """A forward node as the rules see it."""
+
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default)
+
+
+Rule = Callable[[GraphWriter, Node, Sequence[str | None], Sequence[bool]], Grads]
+RULES: dict[str, Rule] = {}
+
+
+def _rule(*ops: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+def _none(node: Node) -> Grads:
+    return [None] * len(node.inputs)
+
+
+# -- shape operators ----------------------------------------------------------------------------------
+@_rule("Identity", "Flatten", "Reshape", "Squeeze", "Unsqueeze")
+def _reshape(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    if need[0] and dys[0] is not None:
+        out[0] = dys[0] if node.op_type == "Identity" else w.like(dys[0], node.inputs[0])
+    return out
+
+
+@_rule("Transpose")
+def _transpose(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    if need[0] and dys[0] is not None:
+        rank = w.rank(node.inputs[0])
+        perm = list(node.attr("perm", list(range((rank or 0) - 1, -1, -1))))
+        out[0] = w.op("Transpose", [dys[0]], perm=[int(k) for k in np.argsort(perm)])
+    return out
+
+
+@_rule("Concat")
+def _concat(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    dy = dys[0]
+    if dy is None:
+        return out
+    rank = w.rank(node.outputs[0])
+    axis = int(node.attr("axis"))
+    axis = axis + rank if axis < 0 and rank is not None else axis
+    sizes = [w.op("Slice", [w.op("Shape", [x]), w.const([axis]), w.const([axis + 1])]) for x in node.inputs]
+    ends = [
+        w.op("ReduceSum", [w.op("Concat", sizes[: k + 1], axis=0)], keepdims=1) for k in range(len(sizes))
+    ]
+    start = w.const([0])
+    for k in range(len(node.inputs)):
+        if need[k]:
+            out[k] = w.op("Slice", [dy, start, ends[k], w.const([axis])])
+        start = ends[k]
+    return out
+
+
+# -- elementwise ------------------------------------------------------------------------------------
+@_rule("Add", "Sub")
+def _add(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, y = _none(node), dys[0], node.outputs[0]
+    if dy is None:
+        return out
+    if need[0]:
+        out[0] = w.unbroadcast(dy, node.inputs[0], y)
+    if need[1]:
+        out[1] = w.unbroadcast(dy if node.op_type == "Add" else w.op("Neg", [dy]), node.inputs[1], y)
+    return out
+
+
+@_rule("Mul")
+def _mul(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, y = _none(node), dys[0], node.outputs[0]
+    a, b = node.inputs
+    if dy is None:
+        return out
+    if need[0]:
+        out[0] = w.unbroadcast(w.op("Mul", [dy, b]), a, y)
+    if need[1]:
+        out[1] = w.unbroadcast(w.op("Mul", [dy, a]), b, y)
+    return out
+
+
+@_rule("Div")
+def _div(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, y = _none(node), dys[0], node.outputs[0]
+    a, b = node.inputs
+    if dy is None:
+        return out
+    scaled = w.op("Div", [dy, b])
+    if need[0]:
+        out[0] = w.unbroadcast(scaled, a, y)
+    if need[1]:  # d(a/b)/db = -(a/b)/b
+        out[1] = w.unbroadcast(w.op("Neg", [w.op("Mul", [scaled, y])]), b, y)
+    return out
+
+
+@_rule("Neg")
+def _neg(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    if need[0] and dys[0] is not None:
+        out[0] = w.op("Neg", [dys[0]])
+    return out
+
+
+def _where(w: GraphWriter, cond: str, dy: str, other: str | None = None) -> str:
+    return w.op("Where", [cond, dy, other or w.fconst(0.0)])
+
+
+@_rule("Relu")
+def _relu(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    if need[0] and dys[0] is not None:
+        out[0] = _where(w, w.op("Greater", [node.outputs[0], w.fconst(0.0)]), dys[0])
+    return out
+
+
+@_rule("LeakyRelu")
+def _leaky(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    if need[0] and dys[0] is not None:
+        slope = w.op("Mul", [dys[0], w.fconst(float(node.attr("alpha", 0.01)))])
+        out[0] = _where(w, w.op("Greater", [node.inputs[0], w.fconst(0.0)]), dys[0], slope)
+    return out
+
+
+@_rule("Sigmoid")
+def _sigmoid(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, y = _none(node), node.outputs[0]
+    if need[0] and dys[0] is not None:
+        out[0] = w.op("Mul", [dys[0], w.op("Mul", [y, w.op("Sub", [w.fconst(1.0), y])])])
+    return out
+
+
+@_rule("Tanh")
+def _tanh(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, y = _none(node), node.outputs[0]
+    if need[0] and dys[0] is not None:
+        out[0] = w.op("Mul", [dys[0], w.op("Sub", [w.fconst(1.0), w.op("Mul", [y, y])])])
+    return out
+
+
+@_rule("Clip")
+def _clip(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, x = _none(node), node.inputs[0]
+    if not (need[0] and dys[0] is not None):
+        return out
+    inside: str | None = None
+    for k, op in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
+        if len(node.inputs) > k and node.inputs[k]:
+            test = w.op(op, [x, node.inputs[k]])
+            inside = test if inside is None else w.op("And", [inside, test])
+    out[0] = dys[0] if inside is None else _where(w, inside, dys[0])
+    return out
+
+
+@_rule("HardSigmoid")
+def _hardsigmoid(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out = _none(node)
+    if need[0] and dys[0] is not None:
+        alpha, beta = float(node.attr("alpha", 0.2)), float(node.attr("beta", 0.5))
+        t = w.op("Add", [w.op("Mul", [node.inputs[0], w.fconst(alpha)]), w.fconst(beta)])
+        inside = w.op("And", [w.op("Greater", [t, w.fconst(0.0)]), w.op("Less", [t, w.fconst(1.0)])])
+        out[0] = _where(w, inside, w.op("Mul", [dys[0], w.fconst(alpha)]))
+    return out
+
+
+@_rule("HardSwish")
+def _hardswish(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, x = _none(node), node.inputs[0]
+    if need[0] and dys[0] is not None:
+        dy = dys[0]
+        slope = w.op("Div", [w.op("Add", [w.op("Mul", [x, w.fconst(2.0)]), w.fconst(3.0)]), w.fconst(6.0)])
+        middle = _where(w, w.op("Greater", [x, w.fconst(-3.0)]), w.op("Mul", [dy, slope]))
+        out[0] = w.op("Where", [w.op("GreaterOrEqual", [x, w.fconst(3.0)]), dy, middle])
+    return out
+
+
+# -- linear algebra ---------------------------------------------------------------------------------
+@_rule("Gemm")
+def _gemm(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy = _none(node), dys[0]
+    if dy is None:
+        return out
+    a, b = node.inputs[0], node.inputs[1]
+    alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
+    ta, tb = int(node.attr("transA", 0)), int(node.attr("transB", 0))
+    if need[0]:  # d op(A) = α dY op(B)ᵀ; for transA, dA = α op(B) dYᵀ
+        if ta:
+            out[0] = w.op("Gemm", [b, dy], alpha=alpha, transA=tb, transB=1)
+        else:
+            out[0] = w.op("Gemm", [dy, b], alpha=alpha, transB=1 - tb)
+    if need[1]:  # d op(B) = α op(A)ᵀ dY; for transB, dB = α dYᵀ op(A)
+        if tb:
+            out[1] = w.op("Gemm", [dy, a], alpha=alpha, transA=1, transB=ta)
+        else:
+            out[1] = w.op("Gemm", [a, dy], alpha=alpha, transA=1 - ta)
+    if len(node.inputs) > 2 and node.inputs[2] and need[2]:
+        scaled = dy if beta == 1.0 else w.op("Mul", [dy, w.fconst(beta)])
+        out[2] = w.unbroadcast(scaled, node.inputs[2], node.outputs[0])
+    return out
+
+
+def _swap_last(w: GraphWriter, x: str) -> str:
+    rank = w.rank(x)
+    if rank is None or rank < 2:
+        raise ValueError(f"MatMul operand {x!r} must have a known rank of at least 2")
+    perm = list(range(rank))
+    perm[-2], perm[-1] = perm[-1], perm[-2]
+    return w.op("Transpose", [x], perm=perm)
+
+
+@_rule("MatMul")
+def _matmul(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy = _none(node), dys[0]
+    if dy is None:
+        return out
+    a, b = node.inputs
+    y = node.outputs[0]
+    ra, rb = w.rank(a), w.rank(b)
+    if need[0]:
+        if rb == 2:
+            out[0] = w.op("MatMul", [dy, w.op("Transpose", [b], perm=[1, 0])])
+        else:
+            out[0] = w.unbroadcast(w.op("MatMul", [dy, _swap_last(w, b)]), a, y)
+    if need[1]:
+        if rb == 2 and ra is not None and ra >= 2:  # a weight: one Gemm over the flattened batch
+            k = w.op("Slice", [w.op("Shape", [a]), w.const([-1]), w.const([ra])])
+            n = w.op("Slice", [w.op("Shape", [dy]), w.const([-1]), w.const([ra])])
+            a2 = w.op("Reshape", [a, w.op("Concat", [w.const([-1]), k], axis=0)])
+            d2 = w.op("Reshape", [dy, w.op("Concat", [w.const([-1]), n], axis=0)])
+            out[1] = w.op("Gemm", [a2, d2], transA=1)
+        else:
+            out[1] = w.unbroadcast(w.op("MatMul", [_swap_last(w, a), dy]), b, y)
+    return out
+
+
+# -- convolution and pooling -------------------------------------------------------------------------
+def _conv_geometry(
+    w: GraphWriter, node: Node, kernel: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    nd = len(kernel)
+    if str(node.attr("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        raise ValueError(f"{node.op_type} {node.name!r}: auto_pad {node.attr('auto_pad')} is not supported")
+    strides = [int(s) for s in node.attr("strides", [1] * nd)]
+    dilations = [int(d) for d in node.attr("dilations", [1] * nd)]
+    pads = [int(p) for p in node.attr("pads", [0] * (2 * nd))]
+    return strides, dilations, pads
+
+
+def _spatial(w: GraphWriter, name: str, what: str) -> tuple[int, ...]:
+    shape = w.shape(name)
+    if shape is None or any(not isinstance(d, int) for d in shape[2:]):
+        raise ValueError(f"{what}: the spatial size of {name!r} must be static, got {shape}")
+    return tuple(int(d) for d in shape[2:])  # type: ignore[arg-type]
+
+
+def _output_padding(
+    ins: Sequence[int], k: Sequence[int], s: Sequence[int], d: Sequence[int], pads: Sequence[int]
+) -> list[int]:
+    nd = len(ins)
+    return [(ins[i] + pads[i] + pads[i + nd] - d[i] * (k[i] - 1) - 1) % s[i] for i in range(nd)]
+
+
+@_rule("Conv")
+def _conv(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy = _none(node), dys[0]
+    if dy is None:
+        return out
+    x, weight = node.inputs[0], node.inputs[1]
+    wshape = w.static(weight)
+    if wshape is None:
+        raise ValueError(f"Conv {node.name!r}: the weight's shape must be static")
+    kernel = list(wshape[2:])
+    nd = len(kernel)
+    s, d, pads = _conv_geometry(w, node, kernel)
+    groups = int(node.attr("group", 1))
+    ins = _spatial(w, x, f"Conv {node.name!r}")
+    outs = _spatial(w, node.outputs[0], f"Conv {node.name!r}")
+    if need[0]:
+        out[0] = w.op(
+            "ConvTranspose",
+            [dy, weight],
+            kernel_shape=kernel,
+            strides=s,
+            dilations=d,
+            pads=pads,
+            group=groups,
+            output_padding=_output_padding(ins, kernel, s, d, pads),
+        )
+    if need[1]:
+        c_out, c_in = int(wshape[0]), int(wshape[1])  # c_in per group
+        co = c_out // groups
+        spatial = list(range(nd))
+        # X: (N, G·Ci, *S) -> (N, G, Ci, *S) -> (Ci, G, N, *S) -> (Ci, G·N, *S)
+        xg = w.op("Reshape", [x, w.const([0, groups, c_in, *ins])])
+        xg = w.op("Transpose", [xg], perm=[2, 1, 0, *(3 + k for k in spatial)])
+        xg = w.op("Reshape", [xg, w.const([c_in, -1, *ins])])
+        # dY: (N, G·Co, *O) -> (N, G, Co, *O) -> (G, Co, N, *O) -> (G·Co, N, *O)
+        dg = w.op("Reshape", [dy, w.const([0, groups, co, *outs])])
+        dg = w.op("Transpose", [dg], perm=[1, 2, 0, *(3 + k for k in spatial)])
+        dg = w.op("Reshape", [dg, w.const([c_out, -1, *outs])])
+        corr = w.op(
+            "Conv", [xg, dg], strides=d, dilations=s, pads=pads, group=groups, kernel_shape=list(outs)
+        )
+        full = [(ins[i] + pads[i] + pads[i + nd] - s[i] * (outs[i] - 1) - 1) // d[i] + 1 for i in spatial]
+        if full != kernel:
+            corr = w.op(
+                "Slice", [corr, w.const([0] * nd), w.const(kernel), w.const([2 + k for k in spatial])]
+            )
+        out[1] = w.op("Transpose", [corr], perm=[1, 0, *(2 + k for k in spatial)])
+    if len(node.inputs) > 2 and node.inputs[2] and need[2]:
+        out[2] = w.op("ReduceSum", [dy, w.const([0, *(2 + k for k in range(nd))])], keepdims=0)
+    return out
+
+
+@_rule("MaxPool")
+def _maxpool(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, x = _none(node), dys[0], node.inputs[0]
+    if dy is None or not need[0]:
+        return out
+    if len(node.outputs) < 2 or not node.outputs[1]:
+        raise ValueError(f"MaxPool {node.name!r}: the training graph lost its indices output")
+    zeros = w.op(
+        "ConstantOfShape", [w.op("Shape", [x])], value=w.onnx.numpy_helper.from_array(np.zeros(1, w.np_dtype))
+    )
+    flat = [w.op("Reshape", [t, w.const([-1])]) for t in (zeros, node.outputs[1], dy)]
+    out[0] = w.like(w.op("ScatterElements", flat, axis=0, reduction="add"), x)
+    return out
+
+
+def _avg_divisor(node: Node, ins: Sequence[int], outs: Sequence[int], k: Sequence[int]) -> np.ndarray:
+    """Each output position's divisor (ONNX AveragePool: kernel size, or only the unpadded elements)."""
+    nd = len(ins)
+    s = [int(v) for v in node.attr("strides", [1] * nd)]
+    pads = [int(v) for v in node.attr("pads", [0] * (2 * nd))]
+    if int(node.attr("count_include_pad", 0)) or not any(pads):
+        return np.full(tuple(outs), float(np.prod(k)))
+    counts = [
+        [min(o * s[i] - pads[i] + k[i], ins[i]) - max(o * s[i] - pads[i], 0) for o in range(outs[i])]
+        for i in range(nd)
+    ]
+    div = np.ones(tuple(outs))
+    for i, c in enumerate(counts):
+        div = div * np.asarray(c, dtype=np.float64).reshape([-1 if j == i else 1 for j in range(nd)])
+    return div
+
+
+@_rule("AveragePool")
+def _avgpool(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, x = _none(node), dys[0], node.inputs[0]
+    if dy is None or not need[0]:
+        return out
+    if int(node.attr("ceil_mode", 0)):
+        raise ValueError(f"AveragePool {node.name!r}: ceil_mode is not supported")
+    kernel = [int(v) for v in node.attr("kernel_shape")]
+    s, _, pads = _conv_geometry(w, node, kernel)
+    shape = w.shape(x)
+    channels = shape[1] if shape is not None else None
+    if not isinstance(channels, int):
+        raise ValueError(f"AveragePool {node.name!r}: the channel count must be static")
+    ins, outs = _spatial(w, x, "AveragePool"), _spatial(w, node.outputs[0], "AveragePool")
+    div = _avg_divisor(node, ins, outs, kernel)
+    ones = np.ones((channels, 1, *kernel))
+    if np.all(div == div.flat[0]):
+        scaled, kern = dy, ones / div.flat[0]
+    else:
+        scaled, kern = w.op("Mul", [dy, w.fconst(1.0 / div)]), ones
+    out[0] = w.op(
+        "ConvTranspose",
+        [scaled, w.fconst(kern)],
+        kernel_shape=kernel,
+        strides=s,
+        pads=pads,
+        group=channels,
+        output_padding=_output_padding(ins, kernel, s, [1] * len(kernel), pads),
+    )
+    return out
+
+
+@_rule("GlobalAveragePool")
+def _gap(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, x = _none(node), dys[0], node.inputs[0]
+    if dy is None or not need[0]:
+        return out
+    count = float(np.prod(_spatial(w, x, "GlobalAveragePool")))
+    out[0] = w.op("Expand", [w.op("Div", [dy, w.fconst(count)]), w.op("Shape", [x])])
+    return out
+
+
+@_rule("ReduceMean")
+def _reduce_mean(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy, x = _none(node), dys[0], node.inputs[0]
+    if dy is None or not need[0]:
+        return out
+    shape = w.static(x) or w.shape(x)
+    rank = len(shape) if shape is not None else None
+    axes = node.attr("axes")
+    if axes is None and len(node.inputs) > 1:
+        raise ValueError(f"ReduceMean {node.name!r}: axes as an input are not supported (opset ≥ 18 export)")
+    if rank is None:
+        raise ValueError(f"ReduceMean {node.name!r}: the input's rank is unknown")
+    axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
+    sizes = [shape[a] for a in axes] if shape is not None else []
+    if any(not isinstance(v, int) for v in sizes):
+        raise ValueError(f"ReduceMean {node.name!r}: reduced axes must be static")
+    g = dy if int(node.attr("keepdims", 1)) else w.op("Unsqueeze", [dy, w.const(sorted(axes))])
+    count = float(np.prod([int(v) for v in sizes]))
+    out[0] = w.op("Expand", [w.op("Div", [g, w.fconst(count)]), w.op("Shape", [x])])
+    return out
+
+
+@_rule("Gather")
+def _gather(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, dy = _none(node), dys[0]
+    if dy is None or not need[0]:
+        return out
+    table, idx = node.inputs
+    if int(node.attr("axis", 0)) != 0:
+        raise ValueError(f"Gather {node.name!r}: only axis 0 (an embedding lookup) is differentiable")
+    shape = w.static(table)
+    if shape is None:
+        raise ValueError(f"Gather {node.name!r}: the table's shape must be static")
+    zeros = w.fconst(np.zeros(shape))
+    flat_idx = w.op("Reshape", [idx, w.const([-1, 1])])
+    rows = w.op("Reshape", [dy, w.const([-1, *shape[1:]])])
+    out[0] = w.op("ScatterND", [zeros, flat_idx, rows], reduction="add")
+    return out
