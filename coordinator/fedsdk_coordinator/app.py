@@ -24,18 +24,17 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 from aiohttp import web
 
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError, TransportClosed
 from fedsdk.hekeys import load_he
-from fedsdk.model import build_graphs, init_params, preset
 from fedsdk.model.data import load_digits
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
+from fedsdk_coordinator.models.source import ModelSource, load_model
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 
@@ -55,7 +54,8 @@ class CoordinatorConfig:
 
     rounds: RoundConfig = field(default_factory=RoundConfig)
     state_dir: Path = Path("fedsdk-state")
-    model: str = "mlp"
+    model: str = "mlp"  # a preset name, or an .onnx / .json / .toml file (models/source.py)
+    task: str = "classification"  # of an ONNX model: classification | regression | multilabel
     broker_url: str | None = None
     embedded: EmbeddedBrokerConfig | None = None
     tls: TlsConfig | None = None
@@ -69,14 +69,9 @@ class CoordinatorConfig:
 CONFIG = web.AppKey("config", CoordinatorConfig)
 
 
-def model_for(name: str) -> tuple[Any, Literal["flat", "image"]]:
-    """The preset of a model name and the data layout it wants (``flat`` or ``image``).
-
-    ``mlp`` (64 hidden units), ``mlpN`` (N hidden units, e.g. ``mlp16`` for the per-value HE baselines,
-    which cost seconds per thousand values), ``cnn`` (the LeNet-style preset).
-    """
-    spec = preset(name)
-    return spec, "image" if len(spec.input_shape) > 1 else "flat"
+def model_for(name: str, task: str = "classification", seed: int = 0) -> ModelSource:
+    """The model ``--model`` names: a preset, an ONNX file or a spec file (:mod:`.models.source`)."""
+    return load_model(name, task=task, seed=seed)
 
 
 def load_public_he(he_dir: Path | None) -> HEBackend | None:
@@ -121,9 +116,11 @@ def _dial_url(embedded: EmbeddedBrokerConfig) -> str:
 
 async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg: CoordinatorConfig = app[CONFIG]
-    spec, layout = model_for(cfg.model)
-    bundle = build_graphs(spec)
-    digits = load_digits(shape=layout)
+    source = model_for(cfg.model, cfg.task, cfg.rounds.seed)
+    eval_data = None
+    if source.layout is not None:  # a preset: the bundled digits it was made for
+        digits = load_digits(shape=source.layout)
+        eval_data = (digits.x_test, digits.y_test)
     transport_box: list[MqttTransport] = []
 
     async def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
@@ -139,9 +136,9 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = RoundEngine(
         cfg.rounds,
         store=app[STORE],
-        bundle=bundle,
-        initial_weights=init_params(spec, seed=cfg.rounds.seed),
-        eval_data=(digits.x_test, digits.y_test),
+        bundle=source.bundle,
+        initial_weights=source.weights,
+        eval_data=eval_data,
         publish=publish,
         he=he,
         executor=executor,

@@ -51,7 +51,7 @@ from brokers import require_mosquitto, start_mosquitto
 from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend, generate_backend
 from fedsdk.hekeys import load_he, save_he
-from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult, build_graphs
+from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.pipeline import contribution_from_message, flatten, message_from_contribution
 from fedsdk.protocol import EncryptedUpdate, Update, decode, encode
@@ -297,9 +297,10 @@ async def federate(
             device_he = save_he(tmp_path / "he-device", full, include_secret=True)
         he = load_he(public_he, secret=False)
 
-    spec, layout = model_for(MODEL)
-    bundle = build_graphs(spec)
-    digits = load_digits(shape=layout)
+    source = model_for(MODEL)
+    bundle = source.bundle
+    assert source.layout is not None
+    digits = load_digits(shape=source.layout)
     part = partition_iid(digits.y_train, len(DEVICES), seed=0)  # same data distribution: one cluster
     rounds = RoundConfig(
         federation=f"np{secrets.token_hex(3)}", rounds=ROUNDS, min_clients=2, start_clients=len(DEVICES),

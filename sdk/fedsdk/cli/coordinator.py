@@ -77,7 +77,19 @@ def add_parser(sub: Any) -> None:
         "--start-clients", type=int, default=0, help="devices to wait for before the first round (>= quorum)"
     )
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a round waits for updates")
-    p.add_argument("--model", default="mlp", help="mlp, mlpN (N hidden units) or cnn")
+    p.add_argument(
+        "--model",
+        default="mlp",
+        help="a preset (mlp, mlpN with N hidden units, cnn: the bundled 8x8 digits examples) or a model "
+        "file: an ONNX inference graph (.onnx, as torch.onnx.export writes it) or a layer spec "
+        "(.json, .toml)",
+    )
+    p.add_argument(
+        "--task",
+        default="classification",
+        choices=["classification", "regression", "multilabel"],
+        help="what an ONNX model predicts: its loss and metric (default classification)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
@@ -147,7 +159,7 @@ def _check_model_and_he(args: argparse.Namespace) -> None:
     from fedsdk_coordinator.app import model_for
     from fedsdk_coordinator.strategies import strategy
 
-    model_for(args.model)
+    model_for(args.model, args.task, args.seed)  # imports a model file here, so a bad one fails first
     strat = strategy(args.strategy)
     if strat.backend is None:
         return
@@ -304,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         rounds=rounds,
         state_dir=state_dir,
         model=args.model,
+        task=args.task,
         broker_url=args.broker,
         embedded=embedded,
         tls=tls,

@@ -145,10 +145,9 @@ def run_scenario(
 
 def _n_values(model: str) -> int | None:
     try:
-        from fedsdk.model import init_params
         from fedsdk_coordinator.app import model_for
 
-        return int(sum(w.size for w in init_params(model_for(model)[0], seed=0)))
+        return int(model_for(model).bundle.num_params)
     except (ImportError, ConfigError):
         return None
 
