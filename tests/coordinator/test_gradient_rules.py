@@ -391,4 +391,3 @@ def test_files_that_cannot_work_are_refused_on_the_coordinator() -> None:
     case.opset = 11
     with pytest.raises(ConfigError, match="opset 11"):
         import_onnx(model_bytes(case))
-
