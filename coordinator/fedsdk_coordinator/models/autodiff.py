@@ -19,13 +19,11 @@ import numpy as np
 
 from fedsdk.errors import ConfigError
 from fedsdk.model.bundle import EVAL_OUTPUT, GRAD_PREFIX, LOSS_OUTPUT, MASK_PREFIX, META_DROPOUT
-from fedsdk_coordinator.models.graph import GraphWriter, Shape
+from fedsdk.model.graphwriter import IR_VERSION, OPSET, GraphWriter, Shape, softmax_cross_entropy
 from fedsdk_coordinator.models.rules import RULES, Node
 
 __all__ = ["DIFFERENTIABLE", "IR_VERSION", "OPSET", "Plan", "eval_graph", "train_graph"]
 
-OPSET = 17
-IR_VERSION = 8
 #: which inputs of an operator carry a gradient (default: all)
 DIFFERENTIABLE = {
     "Clip": (0,),
@@ -83,16 +81,9 @@ def _forward(w: GraphWriter, nodes: Sequence[Node], train: bool, live: set[str])
 
 def _loss(w: GraphWriter, z: str, y: str, task: str, classes: int) -> str:
     """Append the task's mean loss (output ``loss``); returns dL/dz."""
-    numel = w.op("Cast", [w.op("Size", [z])], to=w.elem)
     if task == "classification":
-        _, log_prob = w.op("SoftmaxCrossEntropyLoss", [z, y], out=LOSS_OUTPUT, n_out=2, reduction="mean")
-        onehot = w.op(
-            "Cast",
-            [w.op("Equal", [w.op("Unsqueeze", [y, w.const([1])]), w.const(np.arange(classes))])],
-            to=w.elem,
-        )
-        batch = w.op("Cast", [w.op("Shape", [z], start=0, end=1)], to=w.elem)
-        return w.op("Div", [w.op("Sub", [w.op("Exp", [log_prob]), onehot]), batch])
+        return softmax_cross_entropy(w, z, y, classes)[1]
+    numel = w.op("Cast", [w.op("Size", [z])], to=w.elem)  # the means run over every output value
     diff = w.op("Sub", [z, y])
     if task == "regression":
         w.op("ReduceMean", [w.op("Mul", [diff, diff])], keepdims=0, out=LOSS_OUTPUT)
@@ -152,28 +143,6 @@ def _io(onnx: Any, name: str, elem: int, dims: Sequence[Any]) -> Any:
     return onnx.helper.make_tensor_value_info(name, elem, list(dims))
 
 
-def _model(
-    onnx: Any,
-    w: GraphWriter,
-    inits: Sequence[Any],
-    inputs: list[Any],
-    outputs: list[Any],
-    name: str,
-    meta: dict[str, str],
-) -> bytes:
-    graph = onnx.helper.make_graph(w.nodes, name, inputs, outputs, initializer=[*inits, *w.inits])
-    model = onnx.helper.make_model(
-        graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)], producer_name="fedsdk"
-    )
-    model.ir_version = IR_VERSION
-    onnx.helper.set_model_props(model, meta)
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as exc:
-        raise ConfigError(f"the {name} graph written for this model does not validate: {exc}") from exc
-    return bytes(model.SerializeToString())
-
-
 def train_graph(onnx: Any, plan: Plan) -> bytes:
     """Inputs ``x``, ``y``, the parameters and the dropout masks; outputs ``loss`` and one gradient per
     parameter (``grad.<name>``)."""
@@ -205,7 +174,7 @@ def train_graph(onnx: Any, plan: Plan) -> bytes:
     outputs = [_io(onnx, LOSS_OUTPUT, elem, [])]
     outputs += [_io(onnx, grads[p], elem, s) for p, s in zip(params, param_shapes, strict=True)]
     meta = {**plan.meta, META_DROPOUT: json.dumps(masks)}
-    return _model(onnx, w, plan.inits, inputs, outputs, "fedsdk_train_step", meta)
+    return w.model_bytes(inputs, outputs, "fedsdk_train_step", meta, plan.inits)
 
 
 def eval_graph(onnx: Any, plan: Plan) -> bytes:
@@ -217,4 +186,4 @@ def eval_graph(onnx: Any, plan: Plan) -> bytes:
     inputs = [_io(onnx, "x", elem, ["N", *plan.input_shape])]
     inputs += [_io(onnx, p, elem, s) for p, s in zip(plan.params, plan.param_shapes, strict=True)]
     outputs = [_io(onnx, EVAL_OUTPUT, elem, plan.out_shape)]
-    return _model(onnx, w, plan.inits, inputs, outputs, "fedsdk_eval", plan.meta)
+    return w.model_bytes(inputs, outputs, "fedsdk_eval", plan.meta, plan.inits)

@@ -48,8 +48,8 @@ from fedsdk.model.bundle import (
     TASKS,
     GraphBundle,
 )
+from fedsdk.model.graphwriter import Shape
 from fedsdk_coordinator.models.autodiff import DIFFERENTIABLE, OPSET, Plan, eval_graph, train_graph
-from fedsdk_coordinator.models.graph import Shape
 from fedsdk_coordinator.models.rules import RULES, Node
 
 __all__ = ["META_TASK", "OPSET", "SHAPE_OPS", "TASKS", "ImportedModel", "import_onnx", "supported_ops"]

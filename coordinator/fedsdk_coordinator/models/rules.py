@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsdk_coordinator.models.graph import GraphWriter
+from fedsdk.model.graphwriter import GraphWriter
 
 __all__ = ["RULES", "Node", "Rule"]
 

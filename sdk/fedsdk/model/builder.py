@@ -47,13 +47,12 @@ from typing import Any
 import numpy as np
 
 from fedsdk.errors import ConfigError
-from fedsdk.model.bundle import EVAL_OUTPUT, GRAD_PREFIX, LOSS_OUTPUT, MASK_PREFIX, META_DROPOUT, GraphBundle
+from fedsdk.model.bundle import EVAL_OUTPUT, GRAD_PREFIX, MASK_PREFIX, META_DROPOUT, GraphBundle
+from fedsdk.model.graphwriter import IR_VERSION, OPSET, GraphWriter, softmax_cross_entropy
 from fedsdk.model.layers import AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 __all__ = ["IR_VERSION", "OPSET", "build_graphs"]
 
-OPSET = 17
-IR_VERSION = 8
 _DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
@@ -77,40 +76,11 @@ class _Saved:
     mask: str = ""
 
 
-class _Graph:
-    """Accumulates nodes and constants with unique names."""
+class _Graph(GraphWriter):
+    """The builder's writer: names without prefix (a spec has no names of its own to collide with)."""
 
     def __init__(self, onnx: Any, dtype: type) -> None:
-        self.onnx = onnx
-        self.np_dtype = np.dtype(dtype)
-        self.elem = onnx.helper.np_dtype_to_tensor_dtype(self.np_dtype)
-        self.nodes: list[Any] = []
-        self.inits: list[Any] = []
-        self._n = 0
-        self._consts: dict[tuple[str, bytes, tuple[int, ...]], str] = {}
-
-    def op(
-        self, op_type: str, inputs: list[str], *, out: str | None = None, n_out: int = 1, **attrs: Any
-    ) -> Any:
-        """Append a node; returns its output name (``out`` if given), or a list of ``n_out`` names."""
-        self._n += 1
-        outs = [f"{op_type}_{self._n}_{k}" for k in range(n_out)] if n_out > 1 else [f"{op_type}_{self._n}"]
-        if out is not None:
-            outs[0] = out
-        self.nodes.append(self.onnx.helper.make_node(op_type, inputs, outs, name=f"n{self._n}", **attrs))
-        return outs[0] if n_out == 1 else outs
-
-    def const(self, value: np.ndarray | list[int] | float, dtype: Any = np.int64) -> str:
-        arr = np.asarray(value, dtype=dtype)
-        key = (arr.dtype.str, arr.tobytes(), arr.shape)
-        if key not in self._consts:
-            name = f"c{len(self._consts)}"
-            self.inits.append(self.onnx.numpy_helper.from_array(arr, name))
-            self._consts[key] = name
-        return self._consts[key]
-
-    def fconst(self, value: np.ndarray | float) -> str:
-        return self.const(value, self.np_dtype)
+        super().__init__(onnx, dtype, prefix="")
 
 
 def _forward(g: _Graph, spec: ModelSpec, x: str, train: bool) -> tuple[str, list[_Saved], dict[str, float]]:
@@ -268,37 +238,6 @@ def _backward(g: _Graph, spec: ModelSpec, saved: list[_Saved], dy: str) -> dict[
     return grads
 
 
-def _loss_and_dlogits(g: _Graph, logits: str, y: str, num_classes: int) -> tuple[str, str]:
-    """Mean softmax cross-entropy (ONNX ``SoftmaxCrossEntropyLoss``) and ``(softmax − onehot(y)) / N``."""
-    loss, log_prob = g.op("SoftmaxCrossEntropyLoss", [logits, y], out=LOSS_OUTPUT, n_out=2, reduction="mean")
-    onehot = g.op(
-        "Cast",
-        [g.op("Equal", [g.op("Unsqueeze", [y, g.const([1])]), g.const(np.arange(num_classes))])],
-        to=g.elem,
-    )
-    batch = g.op("Cast", [g.op("Shape", [logits], start=0, end=1)], to=g.elem)
-    diff = g.op("Sub", [g.op("Exp", [log_prob]), onehot])
-    return loss, g.op("Div", [diff, batch])
-
-
-def _model_bytes(g: _Graph, inputs: list[Any], outputs: list[Any], name: str, meta: dict[str, str]) -> bytes:
-    onnx = g.onnx
-    graph = onnx.helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
-    model = onnx.helper.make_model(
-        graph,
-        opset_imports=[onnx.helper.make_opsetid("", OPSET)],
-        producer_name="fedsdk",
-        producer_version="1",
-    )
-    model.ir_version = IR_VERSION
-    onnx.helper.set_model_props(model, meta)
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as exc:  # onnx raises ValidationError / InferenceError subclasses
-        raise ConfigError(f"internal error: the {name} graph does not validate: {exc}") from exc
-    return bytes(model.SerializeToString())
-
-
 def build_graphs(spec: ModelSpec, *, dtype: str = "float32") -> GraphBundle:
     """Build the training-step graph and the evaluation graph of ``spec`` (see the module docstring).
 
@@ -319,14 +258,14 @@ def build_graphs(spec: ModelSpec, *, dtype: str = "float32") -> GraphBundle:
     # training graph
     g = _Graph(onnx, _DTYPES[dtype])
     logits, saved, masks = _forward(g, spec, "x", train=True)
-    loss, dlogits = _loss_and_dlogits(g, logits, "y", spec.num_classes)
+    loss, dlogits = softmax_cross_entropy(g, logits, "y", spec.num_classes)
     grads = _backward(g, spec, saved, dlogits)
     inputs = [vi("x", g.elem, ["N", *spec.input_shape]), vi("y", onnx.TensorProto.INT64, ["N"])]
     inputs += param_inputs(g.elem)
     inputs += [vi(m, g.elem, ["N", *spec.shapes[int(m[len(MASK_PREFIX) :])]]) for m in masks]
     outputs = [vi(loss, g.elem, [])]
     outputs += [vi(grads[n], g.elem, list(s)) for n, s in zip(spec.param_names, spec.param_shapes)]
-    train = _model_bytes(g, inputs, outputs, "fedsdk_train_step", {**meta, META_DROPOUT: json.dumps(masks)})
+    train = g.model_bytes(inputs, outputs, "fedsdk_train_step", {**meta, META_DROPOUT: json.dumps(masks)})
 
     # evaluation graph
     e = _Graph(onnx, _DTYPES[dtype])
@@ -336,8 +275,8 @@ def build_graphs(spec: ModelSpec, *, dtype: str = "float32") -> GraphBundle:
     else:  # the model ends in a layer that is the identity at evaluation time (Dropout)
         e.op("Identity", [logits], out=EVAL_OUTPUT)
     inputs = [vi("x", e.elem, ["N", *spec.input_shape]), *param_inputs(e.elem)]
-    evaluation = _model_bytes(
-        e, inputs, [vi(EVAL_OUTPUT, e.elem, ["N", spec.num_classes])], "fedsdk_eval", meta
+    evaluation = e.model_bytes(
+        inputs, [vi(EVAL_OUTPUT, e.elem, ["N", spec.num_classes])], "fedsdk_eval", meta
     )
     return GraphBundle(
         train_graph=train,
