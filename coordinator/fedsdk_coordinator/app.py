@@ -9,7 +9,9 @@ Startup contexts, in order (each sets up, yields, then cancels and awaits what i
 4. the round loop, which resumes the round in progress from the store after a crash (``docs/operations.md``,
    "Crash and restart").
 
-REST: ``/api/health``, ``/api/clients``, ``/api/rounds``; Prometheus text at ``/metrics``; a small
+REST: ``/api/health``, ``/api/clients``, ``/api/rounds``, ``/api/evaluation`` (per cluster, the federated
+evaluation round by round), ``/api/clusters/<k>/model.onnx`` (a plaintext federation's cluster model as an
+ONNX inference graph; 409 under HE, where only devices hold it); Prometheus text at ``/metrics``; a small
 dashboard at ``/``. No globals: everything lives on the application under typed ``web.AppKey``s.
 """
 
@@ -24,16 +26,21 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from fedsdk.crypto import HEBackend
-from fedsdk.errors import ConfigError, TransportClosed
+from fedsdk.errors import ConfigError, StateError, TrainingError, TransportClosed
 from fedsdk.hekeys import load_he
-from fedsdk.model.data import load_digits
+from fedsdk.model import OnnxModel
+from fedsdk.model.data import fit_to_model, load_data, load_digits
+from fedsdk.model.export import write_onnx
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
+from fedsdk_coordinator.evaluation import METRICS, describe_evaluation
 from fedsdk_coordinator.models.source import ModelSource, load_model
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
@@ -56,6 +63,11 @@ class CoordinatorConfig:
     state_dir: Path = Path("fedsdk-state")
     model: str = "mlp"  # a preset name, or an .onnx / .json / .toml file (models/source.py)
     task: str = "classification"  # of an ONNX model: classification | regression | multilabel
+    # The coordinator's own evaluation of plaintext models: an .npz/.csv file of samples for this model, or
+    # "digits" (the bundled held-out digits, for the presets); None: only the devices' federated evaluation.
+    eval_data: str | None = None
+    label_columns: tuple[str, ...] = ("label",)  # of a CSV eval_data file
+    save_model_dir: Path | None = None  # plaintext: each cluster's final model written here as ONNX
     broker_url: str | None = None
     embedded: EmbeddedBrokerConfig | None = None
     tls: TlsConfig | None = None
@@ -72,6 +84,28 @@ CONFIG = web.AppKey("config", CoordinatorConfig)
 def model_for(name: str, task: str = "classification", seed: int = 0) -> ModelSource:
     """The model ``--model`` names: a preset, an ONNX file or a spec file (:mod:`.models.source`)."""
     return load_model(name, task=task, seed=seed)
+
+
+def coordinator_eval_data(
+    cfg: CoordinatorConfig, source: ModelSource
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The samples ``cfg.eval_data`` names, checked against and shaped for the model (ConfigError if they
+    do not fit it)."""
+    if cfg.eval_data is None:
+        return None
+    if cfg.eval_data == "digits":
+        digits = load_digits(shape="flat")
+        x, y = digits.x_test, digits.y_test
+    else:
+        x, y = load_data(cfg.eval_data, label_columns=cfg.label_columns)
+    model = OnnxModel.from_bundle(source.bundle)
+    try:
+        return fit_to_model(
+            x, y, input_shape=model.input_shape, output_shape=model.output_shape, task=model.task,
+            what=f"--eval-data {cfg.eval_data}",
+        )  # fmt: skip
+    except TrainingError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def load_public_he(he_dir: Path | None) -> HEBackend | None:
@@ -117,10 +151,7 @@ def _dial_url(embedded: EmbeddedBrokerConfig) -> str:
 async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg: CoordinatorConfig = app[CONFIG]
     source = model_for(cfg.model, cfg.task, cfg.rounds.seed)
-    eval_data = None
-    if source.layout is not None:  # a preset: the bundled digits it was made for
-        digits = load_digits(shape=source.layout)
-        eval_data = (digits.x_test, digits.y_test)
+    eval_data = coordinator_eval_data(cfg, source)
     transport_box: list[MqttTransport] = []
 
     async def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
@@ -168,11 +199,13 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
             except TransportClosed:
                 pass
 
-        # Both loops are owned by this context: cancelled and awaited on cleanup.
+        # The loops are owned by this context: cancelled and awaited on cleanup.
         tasks = [
             asyncio.create_task(receive(), name="coordinator-receive"),
             asyncio.create_task(engine.run(), name="coordinator-rounds"),
         ]
+        if cfg.save_model_dir is not None:
+            tasks.append(asyncio.create_task(_save_models(engine, cfg.save_model_dir), name="save-models"))
         try:
             yield
         finally:
@@ -188,6 +221,47 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
                 )
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def _save_models(engine: RoundEngine, folder: Path) -> None:
+    """When the federation has finished, write each cluster's model to ``folder/cluster-<k>.onnx``."""
+    await engine.finished.wait()
+    if engine.state != "finished":
+        return
+    if engine.he is not None:
+        log.warning("--save-model: under HE the coordinator holds no model; devices export it")
+        return
+    for k in sorted(engine.models) or [0]:
+        path = write_onnx(folder / f"cluster-{k}.onnx", engine.export_model(k))
+        log.warning("cluster %d's model written to %s", k, path)
+
+
+async def _cluster_model(request: web.Request) -> web.Response:
+    try:
+        cluster = int(request.match_info["cluster"])
+        blob = request.app[ENGINE].export_model(cluster)
+    except ValueError:
+        raise web.HTTPNotFound(text="cluster ids are integers") from None
+    except StateError as exc:
+        raise web.HTTPConflict(text=str(exc)) from None
+    except ConfigError as exc:
+        raise web.HTTPNotFound(text=str(exc)) from None
+    return web.Response(
+        body=blob,
+        content_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="cluster-{cluster}.onnx"'},
+    )
+
+
+async def _evaluation(request: web.Request) -> web.Response:
+    """Per cluster, round by round: the federated evaluation (:mod:`.evaluation`) and the coordinator's."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in request.app[STORE].rounds():
+        if r.state != "done":
+            continue
+        figures = {k: v for k, v in r.metrics.items() if k.startswith(("device_", "test_"))}
+        out.setdefault(str(r.cluster_id), []).append({"round": r.round_id, **figures})
+    return web.json_response(out)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -248,6 +322,13 @@ async def _metrics(request: web.Request) -> web.Response:
                 "# TYPE fedsdk_test_accuracy gauge",
                 f"fedsdk_test_accuracy {last.metrics['test_accuracy']}",
             ]
+        latest = {r.cluster_id: r for r in done}
+        lines.append("# TYPE fedsdk_federated_metric gauge")
+        for k, r in sorted(latest.items()):
+            for name in METRICS:
+                if f"device_{name}" in r.metrics:
+                    value = r.metrics[f"device_{name}"]
+                    lines.append(f'fedsdk_federated_metric{{cluster="{k}",metric="{name}"}} {value}')
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
@@ -256,13 +337,13 @@ async def _dashboard(request: web.Request) -> web.Response:
     h = request.app[ENGINE].health()
     rows = "".join(
         f"<tr><td>{r.round_id}</td><td>{r.cluster_id}</td><td>{html.escape(r.state)}</td><td>{r.num_clients}</td>"
-        f"<td>{r.metrics.get('test_accuracy', float('nan')):.4f}</td>"
+        f"<td>{html.escape(describe_evaluation(r.metrics))}</td>"
         f"<td>{r.metrics.get('round_s', 0.0):.2f}</td></tr>"
         for r in store.rounds()
     )
     clients = "".join(
         f"<tr><td>{html.escape(c.client_id)}</td><td>{c.num_samples}</td>"
-        f"<td>{'yes' if c.online else 'no'}</td></tr>"
+        f"<td>{'yes' if c.online else 'no'}</td><td>{html.escape(str(c.facts.get('refused', '')))}</td></tr>"
         for c in store.clients()
     )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>fedsdk coordinator</title>
@@ -270,9 +351,9 @@ async def _dashboard(request: web.Request) -> web.Response:
 <style>body{{font-family:sans-serif}}td,th{{padding:2px 8px}}</style></head>
 <body><h1>fedsdk coordinator</h1><p>state <b>{html.escape(h["state"])}</b>, round {h["round"]},
 {h["online"]} devices online</p>
-<h2>Rounds</h2><table><tr><th>round</th><th>cluster</th><th>state</th><th>devices</th><th>test accuracy</th>
+<h2>Rounds</h2><table><tr><th>round</th><th>cluster</th><th>state</th><th>devices</th><th>evaluation</th>
 <th>seconds</th></tr>{rows}</table>
-<h2>Devices</h2><table><tr><th>id</th><th>samples</th><th>online</th></tr>{clients}</table></body></html>"""
+<h2>Devices</h2><table><tr><th>id</th><th>samples</th><th>online</th><th>refused</th></tr>{clients}</table></body></html>"""
     return web.Response(text=page, content_type="text/html")
 
 
@@ -289,5 +370,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     app.router.add_get("/api/health", _health)
     app.router.add_get("/api/clients", _clients)
     app.router.add_get("/api/rounds", _rounds)
+    app.router.add_get("/api/evaluation", _evaluation)
+    app.router.add_get("/api/clusters/{cluster}/model.onnx", _cluster_model)
     app.router.add_get("/metrics", _metrics)
     return app

@@ -49,11 +49,12 @@ from fedsdk import pipeline
 from fedsdk._chunking import MAX_MESSAGE_BYTES
 from fedsdk.coop import part_ranks
 from fedsdk.crypto import HEBackend, aggregate_contributions
-from fedsdk.errors import ConfigError, CryptoError, FedError, ValidationError
+from fedsdk.errors import ConfigError, CryptoError, FedError, StateError, ValidationError
 from fedsdk.masking import floor_packs, parse_floors
 from fedsdk.model import GraphBundle, OnnxModel
 from fedsdk.protocol import (
     BYE_LOST,
+    DATA_MISMATCH,
     Aggregate,
     BaseMessage,
     Bye,
@@ -79,6 +80,7 @@ from fedsdk_coordinator.budgets import DeviceCapacity, deadline_budgets, sensecr
 from fedsdk_coordinator.clustering import Clustering, assign_nearest, cluster_sketches
 from fedsdk_coordinator.consensus import consensus_mask
 from fedsdk_coordinator.coop import share_split
+from fedsdk_coordinator.evaluation import describe_evaluation, federated_metrics
 from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.resume import StoredRound, check_identity, load_resume
 from fedsdk_coordinator.store import RoundPlan, Store
@@ -87,6 +89,7 @@ from fedsdk_coordinator.strategies import strategy
 __all__ = ["RoundConfig", "RoundEngine"]
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
 
 Publish = Callable[..., Awaitable[None]]
 
@@ -317,6 +320,7 @@ class RoundEngine:
         self._resumed: list[_RoundState] = []  # the round in progress when the previous instance stopped
         self._has_model: set[str] = set()
         self._hellos: dict[str, Hello] = {}  # every device that said hello to this instance
+        self.refused: dict[str, str] = {}  # devices whose data does not fit the model, and why
         # Publications decided by inbound handlers (which must not block), sent by run()'s outbox task. A
         # deque and an Event rather than an asyncio.Queue: a coroutine waiting on an Event can be closed
         # after its loop without calling into the loop (an application torn down abruptly).
@@ -417,6 +421,8 @@ class RoundEngine:
                 self._on_report(client_id, msg)
             elif isinstance(msg, DecryptShare):
                 self._on_share(client_id, msg)
+            elif isinstance(msg, Error) and msg.code == DATA_MISMATCH:
+                self._on_refused(client_id, msg)
             elif isinstance(msg, Update | EncryptedUpdate | Error):
                 self._on_reply(client_id, msg, payload)
         except ValidationError as exc:
@@ -460,6 +466,18 @@ class RoundEngine:
         self._arrivals += 1
         self._presence.set()
         self._retask(client_id)
+
+    def _on_refused(self, client_id: str, msg: Error) -> None:
+        """A device whose data cannot fit the model (it says so instead of hello, and trains nothing): it is
+        shown, with its reason, and the federation goes on with the others."""
+        first = self.refused.get(client_id) != msg.reason
+        self.refused[client_id] = msg.reason
+        self.store.refuse_client(client_id, msg.reason)
+        self._expected.discard(client_id)
+        if self.online.pop(client_id, None) is not None:
+            self._presence.set()
+        if first:
+            log.warning("device %s refused: %s", client_id, msg.reason)
 
     def _retask(self, client_id: str) -> None:
         """Send ``client_id`` the task of every round that still waits for its reply: it says hello after
@@ -770,8 +788,21 @@ class RoundEngine:
     # -- the loop -----------------------------------------------------------------------------
     def status_message(self, state: str | None = None) -> bytes:
         detail = self.detail[:400] if state is None else ""
+        m = self._eval_model
+        model = {
+            "model_id": self.bundle.model_id,
+            "task": m.task,
+            "input_shape": ",".join(str(d) for d in self.bundle.input_shape),
+            "output_shape": ",".join(str(d) for d in m.output_shape),
+        }
         return encode(
-            Status(state=state or self.state, epoch=self.epoch, round_id=self.completed_round, detail=detail)
+            Status(
+                state=state or self.state,
+                epoch=self.epoch,
+                round_id=self.completed_round,
+                detail=detail,
+                model=model,
+            )
         )
 
     async def _set_state(self, state: str) -> None:
@@ -1161,19 +1192,16 @@ class RoundEngine:
             log.warning(
                 "round %d cluster %d: %d of %d reports", round_id, cluster_id, len(rnd.reports), len(valid)
             )
-        accs = [r.metrics["test_accuracy"] for r in rnd.reports.values() if "test_accuracy" in r.metrics]
-        if accs:
-            metrics["device_accuracy"] = float(np.mean(accs))
+        metrics.update(federated_metrics([r.metrics for r in rnd.reports.values()]))
         ratios = [float(u.metrics.get("encrypted_ratio", 0.0)) for u in valid]
         metrics.update(base, encrypted_ratio=float(np.mean(ratios)), round_s=time.monotonic() - rnd.sent_at)
         self.store.finish_round(
             round_id, cluster_id, state="done", num_clients=num, total_samples=total, metrics=metrics
         )
-        acc = metrics.get("device_accuracy", metrics.get("test_accuracy"))
-        log.info(
-            "round %d cluster %d done: %d updates, accuracy %s, encrypted %.1f%%, %.2f s",
-            round_id, cluster_id, num, "n/a" if acc is None else f"{acc:.4f}",
-            100 * metrics["encrypted_ratio"], metrics["round_s"],
+        progress.info(
+            "round %d cluster %d: %d updates, %s, %.0f%% encrypted, %.2f s",
+            round_id, cluster_id, num, describe_evaluation(metrics), 100 * metrics["encrypted_ratio"],
+            metrics["round_s"],
         )  # fmt: skip
         return True
 
@@ -1185,8 +1213,8 @@ class RoundEngine:
             result = await loop.run_in_executor(self.executor, fedavg, current, valid)
             new = [w.astype(np.float32) for w in result.weights]
             if self._eval_data is not None:
-                loss, acc = await loop.run_in_executor(None, self._evaluate, new)
-                metrics.update(test_loss=loss, test_accuracy=acc)
+                loss, value = await loop.run_in_executor(None, self._evaluate, new)
+                metrics.update({"test_loss": loss, f"test_{self._eval_model.metric_name}": value})
             agg = Aggregate(
                 round_id=rnd.round_id,
                 cluster_id=rnd.cluster_id,
@@ -1264,6 +1292,18 @@ class RoundEngine:
         x, y = self._eval_data
         return self._eval_model.evaluate(weights, x, y)
 
+    def export_model(self, cluster_id: int) -> bytes:
+        """Cluster ``cluster_id``'s current model as an ONNX inference graph (x -> logits). Only a plaintext
+        federation's coordinator holds models: under HE a device exports its own (``--save-model``)."""
+        if self.he is not None:
+            raise StateError(
+                "under HE the coordinator never holds the model; a device exports it (fedsdk join "
+                "--save-model, FedClient.export_onnx)"
+            )
+        if cluster_id not in self.models and not (cluster_id == 0 and not self.models):
+            raise ConfigError(f"no cluster {cluster_id}; clusters: {sorted(self.models) or [0]}")
+        return self._eval_model.export_onnx(self.models.get(cluster_id, self.initial))
+
     def health(self) -> dict[str, Any]:
         return {
             "state": self.state,
@@ -1275,6 +1315,7 @@ class RoundEngine:
             "silhouette": None if self.clustering is None else self.clustering.silhouette,
             "rejected": self.rejected.as_dict(),
             "device_failures": self.failures.as_dict(),
+            "refused": dict(self.refused),
             "detail": self.detail,
             "late": self.late,
             "resent": self.resent,

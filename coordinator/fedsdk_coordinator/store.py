@@ -227,6 +227,18 @@ class Store:
             (client_id, now, now, int(num_samples), json.dumps(dict(facts), sort_keys=True)),
         )
 
+    def refuse_client(self, client_id: str, reason: str) -> None:
+        """Record a device whose data does not fit the model: offline, with ``facts["refused"]`` the reason
+        (a later hello of the same device, its data fixed, replaces the facts)."""
+        now = time.time()
+        facts = json.dumps({"refused": reason})
+        self.db.execute(
+            "INSERT INTO clients(client_id, first_seen, last_seen, num_samples, online, facts) "
+            "VALUES (?, ?, ?, 0, 0, ?) ON CONFLICT(client_id) DO UPDATE SET last_seen=excluded.last_seen, "
+            "online=0, facts=excluded.facts",
+            (client_id, now, now, facts),
+        )
+
     def set_online(self, client_id: str, online: bool) -> None:
         self.db.execute(
             "UPDATE clients SET online=?, last_seen=? WHERE client_id=?",

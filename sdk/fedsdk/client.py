@@ -60,6 +60,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,11 +84,14 @@ from fedsdk.errors import (
     ValidationError,
 )
 from fedsdk.model import OnnxModel, OnnxTrainer, Trainer, TrainResult
+from fedsdk.model.data import fit_to_model
+from fedsdk.model.export import write_onnx
 from fedsdk.noise import noise_clear, rdp_epsilon
 from fedsdk.profile import calibrate_he, device_facts
 from fedsdk.protocol import (
     BYE_LEAVING,
     BYE_LOST,
+    DATA_MISMATCH,
     Aggregate,
     BaseMessage,
     Bye,
@@ -112,6 +116,7 @@ from fedsdk.transport import MqttTransport, TlsConfig, Will
 __all__ = ["ClientSummary", "FedClient", "RoundRecord"]
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,8 @@ class ClientSummary:
     cluster_id: int | None = None
     rounds: list[RoundRecord] = field(default_factory=list)
     applied_rounds: list[int] = field(default_factory=list)
-    accuracy: dict[int, float] = field(default_factory=dict)
+    accuracy: dict[int, float] = field(default_factory=dict)  # per round: the held-out ``metric``
+    metric: str = "accuracy"  # what ``accuracy`` holds: accuracy, mae (regression) or label_accuracy
     rejected: dict[str, int] = field(default_factory=dict)
     resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
     send_failures: int = 0  # uploads that failed for good (the coordinator asks again when it misses them)
@@ -163,6 +169,11 @@ class _Answer:
     def answers(self, task: Task, phase: str) -> bool:
         """Is ``task`` the task this reply answered (same round, cluster and phase; any epoch)?"""
         return (self.round_id, self.cluster_id, self.phase) == (task.round_id, task.cluster_id, phase)
+
+
+def _dims(text: object) -> tuple[int, ...]:
+    """``"1,28,28"`` -> ``(1, 28, 28)`` (a shape as a status message carries it)."""
+    return tuple(int(d) for d in str(text).split(",") if d.strip())
 
 
 class FedClient:
@@ -206,6 +217,7 @@ class FedClient:
         self._threads = intra_op_threads
         self._models: dict[str, OnnxModel] = {}
         self._model_id: str | None = None
+        self._fitted_for = ""  # the model whose description the local data was last checked against
         self._state = "unopened"
         self._hello_epoch: str | None = None
         self._last_task_round: int | None = None
@@ -243,6 +255,17 @@ class FedClient:
             return int(self._trainer.num_samples)
         assert self._data is not None
         return len(self._data[1])
+
+    def export_onnx(self, path: str | os.PathLike[str] | None = None) -> bytes:
+        """The model this device holds (the last aggregate it applied), as an ONNX inference model that
+        maps ``x`` to ``logits`` in any ONNX runtime; written to ``path`` too when given. Under HE only the
+        devices hold the weights, so this is where a federation's model comes out."""
+        if self.weights is None or self._model_id is None or self._model_id not in self._models:
+            raise StateError("this device holds no model yet: no round's aggregate was applied")
+        blob = self._models[self._model_id].export_onnx(self.weights)
+        if path is not None:
+            write_onnx(path, blob)
+        return blob
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> FedClient:
@@ -436,10 +459,38 @@ class FedClient:
         if status.detail:
             log.warning("coordinator: %s", status.detail)
         if status.state in ("online", "running") and status.epoch != self._hello_epoch:
+            reason = self._fit_data(status.model)
+            if reason is not None:  # nothing is trained: the coordinator hears why, and goes on without us
+                err = Error(client_id=self.client_id, round_id=0, code=DATA_MISMATCH, reason=reason[:500])
+                await self._publish(T.ERROR, err)
+                self.summary.state, self.summary.reason = "refused", reason
+                log.error("the federation's model does not fit this device's data: %s", reason)
+                return True
             await self._say_hello()
             self._hello_epoch = status.epoch
             log.info("hello sent to coordinator %s", status.epoch)
         return False
+
+    def _fit_data(self, model: Mapping[str, Any]) -> str | None:
+        """Check the local (and held-out) data against the model a coordinator's status describes, and shape
+        it for that model (:func:`~fedsdk.model.data.fit_to_model`); returns why it does not fit, or None.
+        An app's own trainer, or a status that describes no model, is not checked here."""
+        if self._trainer is not None or self._data is None or not model.get("input_shape"):
+            return None
+        model_id = str(model.get("model_id", ""))
+        if model_id and model_id == self._fitted_for:
+            return None
+        try:
+            ins, outs = _dims(model["input_shape"]), _dims(model.get("output_shape", ""))
+            task = str(model.get("task", "classification"))
+            data = fit_to_model(*self._data, input_shape=ins, output_shape=outs, task=task)
+            held = self._eval
+            if held is not None:
+                held = fit_to_model(*held, input_shape=ins, output_shape=outs, task=task, what="held-out")
+        except (TrainingError, ValueError) as exc:
+            return str(exc)
+        self._data, self._eval, self._fitted_for = data, held, model_id
+        return None
 
     async def _probe_uplink(self) -> float | None:
         """The initial uplink estimate (DESIGN.md step 1): time ``probe_bytes`` of random bytes to the broker.
@@ -538,9 +589,11 @@ class FedClient:
             raise
         pending.upload_s = upload_s
         trained(upload_s, nbytes)
-        log.info(
-            "round %d: update sent (%d bytes, %.2f s training)", task.round_id, nbytes, record["train_s"]
-        )
+        progress.info(
+            "round %d cluster %d: update sent (%d bytes, %.0f%% encrypted, %.2f s training)",
+            task.round_id, task.cluster_id, nbytes, 100 * record.get("encrypted_ratio", 0.0),
+            record["train_s"],
+        )  # fmt: skip
 
     # -- work in the executor -----------------------------------------------------------------
     def _model_for(self, task: Task) -> OnnxModel:
@@ -740,9 +793,10 @@ class FedClient:
         out = {"merge_s": time.perf_counter() - t0, "upload_s": pending.upload_s}
         self.weights = new
         if self._eval is not None and self._model_id is not None:
-            x, y = self._eval
-            loss, acc = self._models[self._model_id].evaluate(new, self._reshape(pending.task, x), y)
-            out.update(test_loss=loss, test_accuracy=acc)
+            model, (x, y) = self._models[self._model_id], self._eval
+            loss, value = model.evaluate(new, self._reshape(pending.task, x), y)
+            self.summary.metric = model.metric_name
+            out.update({"test_loss": loss, f"test_{model.metric_name}": value, "test_samples": float(len(y))})
         return out
 
     # -- cooperative decryption (coop.py) ----------------------------------------------------------
@@ -992,11 +1046,15 @@ class FedClient:
         if isinstance(last, int | float) and agg.round_id >= last:
             self._last_round_at = time.monotonic()
         self._pending = {r: p for r, p in self._pending.items() if r > agg.round_id}
-        if "test_accuracy" in metrics:
-            self.summary.accuracy[agg.round_id] = metrics["test_accuracy"]
+        value = metrics.get(f"test_{self.summary.metric}")
+        if value is not None:
+            self.summary.accuracy[agg.round_id] = value
         report = Report(
             client_id=self.client_id, round_id=agg.round_id, cluster_id=agg.cluster_id, metrics=metrics
         )
         await self._publish(T.REPORT, report)
-        acc = metrics.get("test_accuracy")
-        log.info("round %d: aggregate applied%s", agg.round_id, f" (test accuracy {acc:.4f})" if acc else "")
+        shown = "" if value is None else f", held-out {self.summary.metric} {value:.4f}"
+        progress.info(
+            "round %d cluster %d: model applied%s (%.2f s to decrypt and apply)",
+            agg.round_id, agg.cluster_id, shown, metrics.get("decrypt_s", 0.0) + metrics.get("merge_s", 0.0),
+        )  # fmt: skip

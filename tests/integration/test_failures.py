@@ -1,7 +1,9 @@
 """Failures that used to lose work silently, each against a real mosquitto and the real coordinator app:
 
-* a round with no valid update (every device's data has the wrong shape) does not end the federation: the
-  status says why and that it waits, the round runs again when valid devices join, and it finishes;
+* a round with no valid update (every device's training diverges) does not end the federation: the status
+  says why and that it waits, the round runs again when valid devices join, and it finishes;
+* a device whose data has the wrong shape is refused when it joins (it says why and exits 1, the coordinator
+  shows it), and no round waits for it or fails because of it;
 * a device that applied no aggregate exits 1 and prints why; the coordinator logs and counts every device
   failure by code (``/api/health`` and ``/metrics``);
 * a device process stopped with SIGINT or SIGTERM says goodbye, and the round closes as soon as the others
@@ -90,14 +92,14 @@ async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
 async def test_a_failed_round_runs_again_when_valid_devices_join(
     tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]]
 ) -> None:
-    bad = tmp_path / "bad.npz"  # 12 sensor features: the digits model wants 64
+    bad = tmp_path / "bad.npz"  # the digits' shape, but values at float32's limit: the loss is not finite
     rng = np.random.default_rng(0)
-    save_npz(bad, rng.normal(size=(50, 12)).astype(np.float32), rng.integers(0, 3, 50))
+    save_npz(bad, np.full((50, 64), 3e38, np.float32), rng.integers(0, 3, 50))
     async with coordinator(tmp_path, broker, rounds=2, min_clients=2, deadline_s=20) as (http, engine):
         fed = engine.config.federation
         procs = [await join_proc(broker, fed, f"bad{i}", bad) for i in range(2)]
         await until(lambda: engine.detail.startswith("round 1 failed"), "round 1 to fail", 60)
-        assert "do not fit the model input" in engine.detail and "waiting" in engine.detail
+        assert "loss is not finite" in engine.detail and "waiting" in engine.detail
         assert engine.state == "running"
         status = await http.get("/api/health")
         assert (await status.json())["device_failures"] == {"device": 2}
@@ -114,7 +116,28 @@ async def test_a_failed_round_runs_again_when_valid_devices_join(
         assert p.returncode == 1, (out + err).decode()[-2000:]
         last = err.decode().strip().splitlines()[-1]
         assert "(0 updates sent)" in last and "contributed no update" in last, last
-        assert "do not fit the model input" in last, last
+        assert "loss is not finite" in last, last
+
+
+async def test_a_device_whose_data_does_not_fit_is_refused_when_it_joins(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    wrong = tmp_path / "sensor.npz"  # 12 sensor features: the digits model wants 64
+    rng = np.random.default_rng(0)
+    save_npz(wrong, rng.normal(size=(50, 12)).astype(np.float32), rng.integers(0, 3, 50))
+    async with coordinator(tmp_path, broker, rounds=1, min_clients=2, deadline_s=20) as (http, engine):
+        proc = await join_proc(broker, engine.config.federation, "sensor", wrong)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 1, (out + err).decode()[-2000:]
+        last = err.decode().strip().splitlines()[-1]
+        assert last == "sensor: refused: local data: samples of shape (12,) do not fit the model input (64,)"
+        health = await (await http.get("/api/health")).json()
+        assert health["refused"] == {"sensor": last.removeprefix("sensor: refused: ")}
+        assert health["device_failures"] == {} and engine.completed_round == 0 and not engine.online
+        good = [device(broker, engine, f"good{i}", shards[i]) for i in range(2)]
+        async with good[0], good[1]:
+            summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in good)), 120)
+    assert engine.state == "finished" and [s.applied_rounds for s in summaries] == [[1], [1]]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -186,7 +186,12 @@ def base_config(tmp_path: Path, pki: DevPki, **kw: Any) -> CoordinatorConfig:
     fed = f"it{secrets.token_hex(3)}"
     rounds = RoundConfig(federation=fed, rounds=ROUNDS, min_clients=3, deadline_s=60, epochs=1, seed=3)
     return CoordinatorConfig(
-        rounds=rounds, state_dir=tmp_path / "state", model="mlp", tls=pki.tls_for("coordinator"), **kw
+        rounds=rounds,
+        state_dir=tmp_path / "state",
+        model="mlp",
+        eval_data="digits",
+        tls=pki.tls_for("coordinator"),
+        **kw,
     )
 
 

@@ -5,6 +5,7 @@ train it over a real mosquitto until the federated model fits their data."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from pathlib import Path
@@ -68,7 +69,14 @@ def sensor_data(seed: int, task: str, n: int = 240) -> tuple[np.ndarray, np.ndar
     return x, y.astype(np.int64)
 
 
-async def federate(tmp_path: Path, broker: MosquittoProcess, model: Path, task: str) -> dict[str, Any]:
+async def federate(
+    tmp_path: Path,
+    broker: MosquittoProcess,
+    model: Path,
+    task: str,
+    extra: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+) -> dict[str, Any]:
+    """Three fitting devices (and ``extra`` ones) over 3 rounds; what the devices and the REST API say."""
     fed = f"own{secrets.token_hex(3)}"
     config = CoordinatorConfig(
         rounds=RoundConfig(federation=fed, seed=1, rounds=3, min_clients=3, epochs=3, lr=0.05),
@@ -92,11 +100,32 @@ async def federate(tmp_path: Path, broker: MosquittoProcess, model: Path, task: 
             )
             for k in range(3)
         ]
-        async with clients[0], clients[1], clients[2]:
+        clients += [
+            FedClient(broker.url, client_id=cid, federation=fed, data=xy, insecure=True, probe_bytes=0)
+            for cid, xy in (extra or {}).items()
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            for c in clients:
+                await stack.enter_async_context(c)
             summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
+            exports = [c.export_onnx() if c.weights is not None else None for c in clients]
         rounds = await (await http.get("/api/rounds")).json()
+        evaluation = await (await http.get("/api/evaluation")).json()
+        served = await http.get("/api/clusters/0/model.onnx")
+        health = await (await http.get("/api/health")).json()
+        devices = await (await http.get("/api/clients")).json()
+        served_model = await served.read() if served.status == 200 else None
     assert engine.state == "finished", engine.detail
-    return {"summaries": summaries, "rounds": rounds}
+    return {
+        "summaries": summaries,
+        "rounds": rounds,
+        "evaluation": evaluation,
+        "exports": exports,
+        "served": served_model,
+        "health": health,
+        "devices": devices,
+        "clients": clients,
+    }
 
 
 async def test_a_federation_trains_an_imported_onnx_classifier(
@@ -132,3 +161,53 @@ async def test_a_federation_trains_a_json_layer_spec(tmp_path: Path, broker: Mos
     out = await federate(tmp_path, broker, path, "classification")
     for s in out["summaries"]:
         assert s.state == "finished" and s.accuracy[3] > 0.9, s.accuracy
+
+
+async def test_a_device_whose_data_does_not_fit_is_refused_at_join_and_the_others_finish(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    x, y = sensor_data(7, "classification")
+    out = await federate(
+        tmp_path,
+        broker,
+        sensor_model(tmp_path / "sensor.onnx", CLASSES),
+        "classification",
+        extra={"pi-11": (x[:, :11], y)},
+    )
+    *fitting, refused = out["summaries"]
+    assert refused.state == "refused" and refused.rounds == [] and refused.applied_rounds == []
+    assert "samples of shape (11,) do not fit the model input (12,)" in refused.reason
+    assert out["exports"][-1] is None  # it never held a model
+    assert out["health"]["refused"] == {"pi-11": refused.reason}
+    shown = {d["client_id"]: d for d in out["devices"]}
+    assert shown["pi-11"]["facts"]["refused"] == refused.reason and not shown["pi-11"]["online"]
+    for s in fitting:
+        assert s.state == "finished" and s.applied_rounds == [1, 2, 3] and s.accuracy[3] > 0.9
+
+
+async def test_the_federated_evaluation_and_the_exported_models(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    out = await federate(tmp_path, broker, sensor_model(tmp_path / "sensor.onnx", CLASSES), "classification")
+    # per cluster and round: the held-out accuracy of the devices, weighted by their held-out samples
+    rounds = out["evaluation"]["0"]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    for r in rounds:
+        assert r["device_eval_samples"] == 3 * 120 and r["device_eval_devices"] == 3
+        per_device = [s.accuracy[r["round"]] for s in out["summaries"]]
+        assert r["device_accuracy"] == pytest.approx(sum(per_device) / 3)  # equal sample counts
+    assert "test_accuracy" not in rounds[-1]  # no --eval-data: the coordinator does not evaluate
+    # each device's model, exported, gives the logits of its evaluation graph in plain onnxruntime
+    x = sensor_data(50, "classification", n=64)[0]
+    for client, blob in zip(out["clients"], out["exports"], strict=True):
+        onnx.checker.check_model(onnx.load_from_string(blob), full_check=True)
+        session = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+        assert [i.name for i in session.get_inputs()] == ["x"]
+        got = session.run(None, {"x": x})[0]
+        want = client._models[client._model_id].logits(client.weights, x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # plaintext: the coordinator serves the cluster's model, the one every device applied last
+    assert out["served"] is not None
+    served = ort.InferenceSession(out["served"], providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(served, got, rtol=1e-5, atol=1e-5)

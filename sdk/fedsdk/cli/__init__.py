@@ -41,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     level = logging.WARNING - 10 * min(int(args.verbose), 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.INFO:  # one line per round (coordinator and devices) even at default verbosity
+        logging.getLogger("fedsdk.progress").setLevel(logging.INFO)
     if hasattr(signal, "SIGUSR1"):
         # kill -USR1: every thread's stack; not where stderr has no file descriptor (embedded, captured)
         with contextlib.suppress(AttributeError, ValueError, OSError, RuntimeError):

@@ -90,6 +90,20 @@ def add_parser(sub: Any) -> None:
         choices=["classification", "regression", "multilabel"],
         help="what an ONNX model predicts: its loss and metric (default classification)",
     )
+    p.add_argument(
+        "--eval-data",
+        metavar="FILE|digits",
+        help="evaluate each plaintext model here too, on these samples (.npz, or .csv with --label-column), "
+        "or 'digits' (the bundled held-out digits, for the presets); by default only the devices evaluate, "
+        "on their held-out data (the federated evaluation)",
+    )
+    p.add_argument("--label-column", default="label", help="the label column(s) of a CSV --eval-data file")
+    p.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="when the federation finishes, write each cluster's model to DIR/cluster-<k>.onnx (plaintext "
+        "strategies; under HE only devices hold the model: fedsdk join --save-model)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
@@ -159,7 +173,11 @@ def _check_model_and_he(args: argparse.Namespace) -> None:
     from fedsdk_coordinator.app import model_for
     from fedsdk_coordinator.strategies import strategy
 
-    model_for(args.model, args.task, args.seed)  # imports a model file here, so a bad one fails first
+    from fedsdk_coordinator.app import CoordinatorConfig, coordinator_eval_data
+
+    source = model_for(args.model, args.task, args.seed)  # imports a model file here: a bad one fails first
+    labels = tuple(c.strip() for c in args.label_column.split(",") if c.strip())
+    coordinator_eval_data(CoordinatorConfig(eval_data=args.eval_data, label_columns=labels), source)
     strat = strategy(args.strategy)
     if strat.backend is None:
         return
@@ -317,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
         state_dir=state_dir,
         model=args.model,
         task=args.task,
+        eval_data=args.eval_data,
+        label_columns=tuple(c.strip() for c in args.label_column.split(",") if c.strip()),
+        save_model_dir=Path(args.save_model) if args.save_model else None,
         broker_url=args.broker,
         embedded=embedded,
         tls=tls,

@@ -175,6 +175,7 @@ def _run_in(work: Path, args: argparse.Namespace, co: Any) -> int:
         rounds=rounds,
         state_dir=work / "state",
         model=args.model,
+        eval_data="digits",  # the demo's model is a digits preset: the coordinator scores it on them too
         embedded=embedded,
         tls=coord_tls,
         insecure=args.insecure,

@@ -47,7 +47,17 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("join", help="join a federation as a device", description=__doc__)
     p.add_argument("broker", nargs="?", help="broker URL, e.g. mqtts://broker.local:8883 (or from --kit)")
     p.add_argument("--kit", metavar="DIR", help="device kit made by 'fedsdk provision'")
-    p.add_argument("--data", required=True, help=".npz file with x (samples) and y (integer labels)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="the local samples: .npz with x and y, or .csv with a header (labels in --label-column)",
+    )
+    p.add_argument(
+        "--label-column",
+        default="label",
+        metavar="NAME[,NAME...]",
+        help="the label column(s) of a CSV file (default 'label'; several for multi-label rows)",
+    )
     p.add_argument("--client-id", help="defaults to the kit's id, else the host name")
     p.add_argument("--federation", help="defaults to the kit's federation, else 'default'")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
@@ -68,7 +78,22 @@ def add_parser(sub: Any) -> None:
         help="obfuscators to precompute while idle (packed backend); default auto: two updates' worth of "
         "the federation's model, at most 64 MiB; 0 turns the pool off",
     )
-    p.add_argument("--eval-data", metavar="FILE", help=".npz to evaluate each new model on (reported)")
+    p.add_argument(
+        "--eval-data", metavar="FILE", help=".npz or .csv to evaluate each new model on (reported)"
+    )
+    p.add_argument(
+        "--eval-split",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="hold out this fraction of --data (drawn at random, the same every run) to evaluate each new "
+        "model on, when no --eval-data is given (default 0.2 for .csv data)",
+    )
+    p.add_argument(
+        "--save-model",
+        metavar="PATH",
+        help="write the model this device holds at the end as an ONNX inference graph (x -> logits)",
+    )
     p.add_argument("--eval-digits", action="store_true", help="evaluate on the held-out handwritten digits")
     p.add_argument(
         "--self-audit",
@@ -89,9 +114,10 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from fedsdk.client import FedClient
     from fedsdk.hekeys import load_he
-    from fedsdk.model.data import load_npz
+    from fedsdk.model.data import hold_out, load_data
 
-    x, y = load_npz(args.data)
+    labels = tuple(c.strip() for c in args.label_column.split(",") if c.strip())
+    x, y = load_data(args.data, label_columns=labels)
     kit = None
     if args.kit:
         from fedsdk.provision import load_kit
@@ -104,8 +130,13 @@ def run(args: argparse.Namespace) -> int:
     federation = args.federation or (kit.federation if kit else "default")
     tls = kit.tls if kit and not (args.ca or args.insecure) else tls_from_args(args)
     eval_data = None
+    split = args.eval_split
+    if split is None and not (args.eval_data or args.eval_digits) and args.data.lower().endswith(".csv"):
+        split = 0.2
     if args.eval_data:
-        eval_data = load_npz(args.eval_data)
+        eval_data = load_data(args.eval_data, label_columns=labels)
+    elif split:
+        (x, y), eval_data = hold_out(x, y, split)
     elif args.eval_digits:
         from fedsdk.model.data import load_digits
 
@@ -144,7 +175,11 @@ def run(args: argparse.Namespace) -> int:
             self_audit_db=args.self_audit_db,
         ) as client:
             freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
-            return await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)
+            summary = await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)
+            if args.save_model and client.weights is not None:
+                client.export_onnx(args.save_model)
+                print(f"{client_id}: model written to {args.save_model} (ONNX, x -> logits)")
+            return summary
 
     try:
         summary = asyncio.run(go())
@@ -156,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(asdict(summary), f, indent=2)
+    if summary.state == "refused":
+        print(f"{client_id}: refused: {summary.reason}", file=sys.stderr)
+        return 1
     applied, trained, withheld = len(summary.applied_rounds), len(summary.rounds), summary.withheld
     ok = summary.state == "finished" and applied > 0 and trained > 0
     held = f", {withheld} updates withheld by the self-audit" if withheld else ""

@@ -30,6 +30,7 @@ from fedsdk.model.bundle import (
     GraphBundle,
     check_layout,
 )
+from fedsdk.model.export import export_onnx
 
 __all__ = ["OnnxModel"]
 
@@ -81,6 +82,7 @@ class OnnxModel:
             raise ConfigError("intra_op_num_threads must be >= 0 (0 = onnxruntime's default)")
         self.param_names = tuple(param_names)
         self.param_shapes = tuple(tuple(int(d) for d in s) for s in param_shapes)
+        self._eval_graph = eval_graph
         self._train = _session(train_graph, intra_op_num_threads, graph_optimization, "training")
         self._eval = _session(eval_graph, intra_op_num_threads, graph_optimization, "evaluation")
         self._rng = np.random.default_rng(seed)
@@ -217,6 +219,11 @@ class OnnxModel:
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         xa, _ = self.check_batch(x)
         return self._raw_logits(self.check_params(params), xa)
+
+    def export_onnx(self, params: Sequence[np.ndarray]) -> bytes:
+        """An ONNX inference model (``x`` -> ``logits``) with ``params`` as its weights
+        (:mod:`fedsdk.model.export`)."""
+        return export_onnx(self._eval_graph, self.param_names, self.check_params(params))
 
     def _raw_logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         feeds: dict[str, np.ndarray] = dict(zip(self.param_names, params))

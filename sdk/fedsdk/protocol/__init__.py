@@ -14,6 +14,7 @@ from fedsdk.protocol.fields import DTYPES, FLOAT_DTYPES, FrozenMap, Wire
 from fedsdk.protocol.messages import (
     BYE_LEAVING,
     BYE_LOST,
+    DATA_MISMATCH,
     SCHEMA_VERSION,
     STATUS_STATES,
     Aggregate,
@@ -50,6 +51,7 @@ from fedsdk.protocol.validate import (
 __all__ = [
     "BYE_LEAVING",
     "BYE_LOST",
+    "DATA_MISMATCH",
     "DTYPES",
     "ENVELOPE_VERSION",
     "FLOAT_DTYPES",

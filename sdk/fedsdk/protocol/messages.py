@@ -45,6 +45,7 @@ from fedsdk.protocol.topics import MessageKind
 __all__ = [
     "BYE_LEAVING",
     "BYE_LOST",
+    "DATA_MISMATCH",
     "MAX_ROUND",
     "MAX_SAMPLES",
     "SCHEMA_VERSION",
@@ -71,6 +72,8 @@ STATUS_STATES: frozenset[str] = frozenset({"online", "running", "finished", "fai
 # A Bye's reason: the goodbye a device says itself when it stops, and the one its MQTT will carries (the
 # broker publishes it for a broken connection, and when the broker itself shuts down).
 BYE_LEAVING, BYE_LOST = "leaving", "connection lost"
+# The code of the Error a device sends instead of a hello when its data cannot fit the federation's model.
+DATA_MISMATCH = "data_mismatch"
 
 _REGISTRY: dict[int, type[BaseMessage]] = {}
 _M = TypeVar("_M", bound="type[BaseMessage]")
@@ -342,7 +345,12 @@ class Error(BaseMessage):
 @register
 @dataclass(frozen=True, eq=False, repr=False)
 class Status(BaseMessage):
-    """Coordinator status, published retained and as its last will; ``epoch`` identifies the instance."""
+    """Coordinator status, published retained and as its last will; ``epoch`` identifies the instance.
+
+    ``model`` describes what the federation trains, so that a device can check its data before it joins:
+    ``model_id``, ``task``, ``input_shape`` and ``output_shape`` (one sample's, as ``"1,28,28"``); empty
+    when the coordinator does not say (a device then finds out from its first task).
+    """
 
     KIND: ClassVar[MessageKind] = MessageKind.STATUS
     WIRE: ClassVar[Mapping[str, Wire]] = {
@@ -350,12 +358,14 @@ class Status(BaseMessage):
         "epoch": Wire.STR,
         "round_id": Wire.INT,
         "detail": Wire.STR,
+        "model": Wire.MAP,
     }
 
     state: str
     epoch: str
     round_id: int = 0
     detail: str = ""
+    model: Mapping[str, Scalar] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, str) or self.state not in STATUS_STATES:
@@ -363,6 +373,7 @@ class Status(BaseMessage):
         check_id(self.epoch, "epoch")
         self._set("round_id", _round(self.round_id))
         check_text(self.detail, "detail", max_len=MAX_REASON)
+        self._set("model", check_map(self.model, "model"))
 
 
 @register

@@ -1,8 +1,10 @@
-"""Local data: the shipped handwritten digits, a user's own ``.npz`` files, and client partitioners."""
+"""Local data: the shipped handwritten digits, a user's own ``.npz`` and ``.csv`` files, the held-out split,
+the fit of local data to a model, and client partitioners."""
 
 from __future__ import annotations
 
 from fedsdk.model.data.datasets import Dataset, load_digits, load_npz, save_npz, validate_xy
+from fedsdk.model.data.local import fit_to_model, hold_out, load_csv, load_data
 from fedsdk.model.data.partition import (
     Partition,
     partition_dirichlet,
@@ -14,6 +16,10 @@ from fedsdk.model.data.partition import (
 __all__ = [
     "Dataset",
     "Partition",
+    "fit_to_model",
+    "hold_out",
+    "load_csv",
+    "load_data",
     "load_digits",
     "load_npz",
     "partition_dirichlet",

@@ -1,5 +1,7 @@
 """Datasets for local training: the shipped handwritten digits and a user's own ``.npz`` file (numpy only).
 
+CSV files, the held-out split and the check of a device's data against a model are in :mod:`.local`.
+
 ``digits.npz`` (next to this module) is scikit-learn's copy of the UCI handwritten digits (Alpaydin &
 Kaynak 1998, CC BY 4.0; see ``DIGITS_LICENSE.txt``), stored with a fixed stratified 80/20 split so that a
 device needs neither scikit-learn nor a particular numpy version to get the same data as the coordinator.
@@ -64,20 +66,34 @@ def validate_xy(
     input_shape: Sequence[int] | None = None,
     num_classes: int | None = None,
     what: str = "data",
+    targets: Literal["labels", "values", "auto"] = "labels",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Check a labelled sample set and return ``(x float32, y int64)``; :class:`TrainingError` says why not.
+    """Check a labelled sample set and return ``(x float32, y)``; :class:`TrainingError` says why not.
 
-    ``x`` must be a floating array of shape ``(n, *input_shape)`` with ``n ≥ 1`` and finite values; ``y``
-    an integer array of shape ``(n,)`` with labels in ``[0, num_classes)`` (or ``≥ 0`` if not given).
+    ``x`` must be a floating array of shape ``(n, *input_shape)`` with ``n ≥ 1`` and finite values. With
+    ``targets="labels"`` ``y`` is an integer array of shape ``(n,)`` with labels in ``[0, num_classes)``
+    (or ``≥ 0`` if not given), returned as int64; with ``"values"`` it holds finite numbers of shape
+    ``(n,)`` or ``(n, k)`` (regression targets, multi-label 0/1 rows), returned as float32; ``"auto"``
+    takes integer arrays as labels and the rest as values.
     """
     x, y = np.asarray(x), np.asarray(y)
     if x.dtype.kind != "f":
         raise TrainingError(f"{what}: x must hold floating-point values, got dtype {x.dtype}")
-    if y.dtype.kind not in "iu":
+    if targets == "auto":
+        targets = "labels" if y.dtype.kind in "iu" else "values"
+    if targets == "labels" and y.dtype.kind not in "iu":
         raise TrainingError(f"{what}: y must hold integer class labels, got dtype {y.dtype}")
     if x.ndim < 2 or x.shape[0] == 0:
         raise TrainingError(f"{what}: x must have shape (n >= 1, features...), got {x.shape}")
-    if y.shape != (x.shape[0],):
+    if targets == "values":
+        if y.dtype.kind not in "iuf" or y.ndim not in (1, 2) or y.shape[0] != x.shape[0]:
+            raise TrainingError(
+                f"{what}: y must hold numbers of shape ({x.shape[0]},) or ({x.shape[0]}, k), "
+                f"got {y.dtype} {y.shape}"
+            )
+        if not np.isfinite(y).all():
+            raise TrainingError(f"{what}: y holds NaN or infinite values")
+    elif y.shape != (x.shape[0],):
         raise TrainingError(f"{what}: y must have shape ({x.shape[0]},) to match x, got {y.shape}")
     if input_shape is not None and tuple(x.shape[1:]) != tuple(input_shape):
         raise TrainingError(
@@ -87,6 +103,8 @@ def validate_xy(
     if not finite.all():
         bad = int(np.flatnonzero(~finite.reshape(len(x), -1).all(axis=1))[0])
         raise TrainingError(f"{what}: x holds NaN or infinite values (first in sample {bad})")
+    if targets == "values":
+        return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.float32)
     if y.min() < 0 or (num_classes is not None and y.max() >= num_classes):
         limit = f"[0, {num_classes})" if num_classes is not None else ">= 0"
         raise TrainingError(f"{what}: labels must be {limit}, found range [{y.min()}, {y.max()}]")
@@ -98,8 +116,10 @@ def load_npz(
     *,
     input_shape: Sequence[int] | None = None,
     num_classes: int | None = None,
+    targets: Literal["labels", "values", "auto"] = "labels",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Read a user's labelled samples: an ``.npz`` with arrays ``x`` (float) and ``y`` (int labels).
+    """Read a user's labelled samples: an ``.npz`` with arrays ``x`` (float) and ``y`` (int labels, or
+    numbers with ``targets="values"``/``"auto"``, see :func:`validate_xy`).
 
     A missing or unreadable file, or one without ``x`` and ``y``, raises :class:`ConfigError`; data that
     fails :func:`validate_xy` raises :class:`TrainingError`. Pickled objects are never loaded.
@@ -117,11 +137,14 @@ def load_npz(
         raise ConfigError(f"{path}: no such data file") from exc
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise ConfigError(f"{path}: cannot read as .npz ({exc})") from exc
-    return validate_xy(x, y, input_shape=input_shape, num_classes=num_classes, what=str(path))
+    return validate_xy(
+        x, y, input_shape=input_shape, num_classes=num_classes, what=str(path), targets=targets
+    )
 
 
 def save_npz(path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray) -> None:
-    """Validate and write ``x`` (float32) and ``y`` (int64) as a compressed ``.npz`` readable by load_npz."""
-    xa, ya = validate_xy(x, y, what="save_npz")
+    """Validate and write ``x`` (float32) and ``y`` (int64 labels, or float32 values) as a compressed
+    ``.npz`` readable by load_npz."""
+    xa, ya = validate_xy(x, y, what="save_npz", targets="auto")
     with open(path, "wb") as fh:  # a file object, so numpy does not append ".npz" to the name
         np.savez_compressed(fh, x=xa, y=ya)

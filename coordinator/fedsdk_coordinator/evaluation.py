@@ -1,0 +1,60 @@
+"""Federated evaluation: the metrics devices report on their held-out data, combined per cluster and round.
+
+After applying a round's model, a device with held-out data reports ``test_loss``, ``test_<metric>`` (the
+task's metric: ``accuracy`` for classes, ``mae`` for regression, ``label_accuracy`` for multi-label) and
+``test_samples``, the number of held-out samples. The cluster's federated figure is the mean weighted by
+those sample counts, i.e. the metric over the union of the devices' held-out samples (a device that does
+not say how many samples it held weighs as one sample). The coordinator never sees a device's data or, under
+HE, its model; these figures are all it learns of how well the cluster's model does.
+
+The coordinator's own evaluation (``test_*`` in a round's metrics, without the ``device_`` prefix) runs only
+on data given to it for the model (``--eval-data``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["METRICS", "describe_evaluation", "federated_metrics"]
+
+#: The task metrics a device may report, by the name its executor gives them.
+METRICS = ("accuracy", "mae", "label_accuracy")
+
+
+def federated_metrics(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """``device_<metric>`` and ``device_loss`` (sample-weighted means), ``device_eval_samples`` and
+    ``device_eval_devices``, from the reports that carry an evaluation; empty when none does."""
+    sums: dict[str, float] = {}
+    weight = 0.0
+    devices = 0
+    for metrics in reports:
+        names = [m for m in METRICS if f"test_{m}" in metrics]
+        if not names:
+            continue
+        w = max(float(metrics.get("test_samples", 1.0)), 1.0)
+        devices += 1
+        weight += w
+        for name in (*names, "loss"):
+            if f"test_{name}" in metrics:
+                sums[name] = sums.get(name, 0.0) + w * float(metrics[f"test_{name}"])
+    if not devices:
+        return {}
+    out = {f"device_{name}": total / weight for name, total in sums.items()}
+    out.update(device_eval_samples=weight, device_eval_devices=float(devices))
+    return out
+
+
+def describe_evaluation(metrics: Mapping[str, Any]) -> str:
+    """The evaluation part of a round's line: the federated metric, and the coordinator's own if any."""
+    parts = []
+    for name in METRICS:
+        if f"device_{name}" in metrics:
+            parts.append(
+                f"federated {name.replace('_', ' ')} {metrics[f'device_{name}']:.4f} over "
+                f"{metrics['device_eval_samples']:.0f} held-out samples on "
+                f"{metrics['device_eval_devices']:.0f} devices"
+            )
+        if f"test_{name}" in metrics:
+            parts.append(f"coordinator's {name.replace('_', ' ')} {metrics[f'test_{name}']:.4f}")
+    return ", ".join(parts) or "no evaluation reported"
