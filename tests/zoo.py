@@ -2,15 +2,15 @@
 train on edge devices, exported with ``torch.onnx.export`` as a user would (needs torch; test-time only).
 
 Every entry gives the module, a batch of inputs and targets, and the task. Models are exported in evaluation
-mode with each BatchNorm folded into the convolution before it (what PyTorch's export of an evaluation-mode
-model does; the importer's current contract, :mod:`fedsdk_coordinator.models.importer`), so torch's
-gradients of the folded module are those of the exported graph.
+mode with ``do_constant_folding=False``, which keeps each BatchNorm a BatchNormalization node (the default
+export folds one that follows a convolution into it), so torch's evaluation-mode gradients, BatchNorm scale
+and bias included, are those of the imported graph: the importer freezes the running statistics and trains
+scale and bias (:mod:`fedsdk_coordinator.models.importer`).
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +173,26 @@ class _TextTagger(nn.Module if nn is not None else object):  # type: ignore[misc
         return self.head(torch.flatten(self.pool(h), 1))
 
 
+class _NormMLP(nn.Module if nn is not None else object):  # type: ignore[misc]
+    """A 4 × 6 sensor window normalised per time step (LayerNorm on the input: only its scale and bias
+    train), then an MLP with BatchNorm1d on (N, C), a LayerNorm over two axes and one over the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window = nn.LayerNorm(6)
+        self.fc1 = nn.Linear(24, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.block = nn.LayerNorm((4, 8))
+        self.fc2 = nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Any) -> Any:
+        h = torch.relu(self.bn(self.fc1(torch.flatten(self.window(x), 1))))
+        h = torch.flatten(self.block(h.reshape(-1, 4, 8)), 1)
+        return self.head(self.norm(torch.tanh(self.fc2(h))))
+
+
 ZOO = [
     Entry("mlp_regressor", _mlp_regressor, (12,), "regression", 1),
     Entry("dwsep1d", _dwsep1d, (6, 64), "classification", 3),
@@ -181,12 +201,13 @@ ZOO = [
     Entry("resnet_small", _resnet_small, (3, 32, 32), "classification", 10),
     Entry("mlp_1m", _mlp_1m, (1, 28, 28), "classification", 10),
     Entry("text_tagger", _TextTagger, (20,), "multilabel", 4),
+    Entry("norm_mlp", _NormMLP, (4, 6), "classification", 3),
 ]
 
 
 def build(entry: Entry, seed: int = 0) -> Any:
-    """The model with its BatchNorms given non-trivial statistics, folded into their convolutions
-    (:func:`fuse_batchnorm`), in evaluation mode."""
+    """The model with its BatchNorms given non-trivial statistics, its BatchNorms and LayerNorms non-trivial
+    scales and biases, in evaluation mode."""
     torch.manual_seed(seed)
     model = entry.make()
     for m in model.modules():
@@ -194,9 +215,11 @@ def build(entry: Entry, seed: int = 0) -> Any:
             with torch.no_grad():
                 m.running_mean.uniform_(-0.2, 0.2)
                 m.running_var.uniform_(0.5, 1.5)
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm)):
+            with torch.no_grad():
                 m.weight.uniform_(0.8, 1.2)
                 m.bias.uniform_(-0.1, 0.1)
-    return fuse_batchnorm(model.eval())
+    return model.eval()
 
 
 def batch(entry: Entry, n: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +236,8 @@ def batch(entry: Entry, n: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
 
 
 def export(model: Any, entry: Entry, opset: int = 17) -> bytes:
-    """``torch.onnx.export`` as the docs show it: named input and output, a dynamic batch axis."""
+    """``torch.onnx.export`` as the docs show it: named input and output, a dynamic batch axis, BatchNorms
+    kept as BatchNormalization nodes (no constant folding)."""
     f = io.BytesIO()
     x = torch.zeros((2, *entry.input_shape))
     if entry.name == "text_tagger":
@@ -226,6 +250,7 @@ def export(model: Any, entry: Entry, opset: int = 17) -> bytes:
         output_names=["output"],
         dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
         opset_version=opset,
+        do_constant_folding=False,
         dynamo=False,
     )
     return f.getvalue()
@@ -238,25 +263,6 @@ def torch_loss(entry: Entry, z: Any, y: np.ndarray) -> Any:
     if entry.task == "multilabel":
         return nn.functional.binary_cross_entropy_with_logits(z, t)
     return nn.functional.mse_loss(z, t)
-
-
-def fuse_batchnorm(model: Any) -> Any:
-    """Fold every BatchNorm that follows a convolution into it (``torch.nn.utils.fusion``), as the ONNX
-    export of an evaluation-mode model does, so that torch's gradients are those of the exported graph."""
-    from torch.nn.utils.fusion import fuse_conv_bn_eval
-
-    for child in model.children():
-        fuse_batchnorm(child)
-    if isinstance(model, nn.Sequential):
-        mods = list(model._modules.items())
-        for (k, a), (j, b) in itertools.pairwise(mods):
-            if isinstance(a, (nn.Conv1d, nn.Conv2d)) and isinstance(b, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                fused = fuse_conv_bn_eval(a, b)
-                for p in fused.parameters():
-                    p.requires_grad_(True)  # a conv without bias gets a frozen one from the fusion
-                model._modules[k] = fused
-                model._modules[j] = nn.Identity()
-    return model
 
 
 def torch_step(model: Any, entry: Entry, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:

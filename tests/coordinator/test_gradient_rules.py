@@ -2,8 +2,10 @@
 check: each rule with an injected bug (its gradients scaled by 1.5) must fail the same comparison.
 
 Each case is a small ONNX graph written with ``onnx.helper`` that puts the operator on the path from
-parameters to the output. The check perturbs one parameter at a time along a random unit direction and
-compares ``(L(w + εv) − L(w − εv)) / 2ε`` (the training graph's own loss, float32) with ``⟨∇L, v⟩``.
+parameters to the output; BatchNormalization and LayerNormalization, which the import writes as primitives,
+have cases of their own, and their evaluation graphs are compared with onnxruntime's operators. The check
+perturbs one parameter at a time along a random unit direction and compares ``(L(w + εv) − L(w − εv)) / 2ε``
+(the training graph's own loss, float32) with ``⟨∇L, v⟩``.
 """
 
 from __future__ import annotations
@@ -255,11 +257,77 @@ def cases() -> list[Case]:
             ops=("Gather",),
         )
     )
+    sqrt = dense("Sqrt")  # on Sigmoid's output: positive
+    sqrt.nodes[1:2] = [n("Sigmoid", ["h1"], ["s1"]), n("Sqrt", ["s1"], ["h2"])]
+    out.append(sqrt)
+    out += normalization_cases()
     for task in ("regression", "multilabel"):
         c = dense("Tanh")
         c.name, c.task, c.ops = f"loss:{task}", task, ("Tanh", "Gemm")
         out.append(c)
     return out
+
+
+def batchnorm_case() -> Case:
+    """Conv -> Tanh -> BatchNormalization (parameters ``s``, ``b``; running statistics ``m``, ``v``)."""
+    case = conv_case(
+        "BatchNormalization",
+        n("BatchNormalization", ["c2", "s", "b", "m", "v"], ["p"], epsilon=1e-3),
+        4,
+        (5, 5),
+        4 * 25,
+        s=(4,),
+        b=(4,),
+    )
+    case.consts = {
+        "m": np.array([0.3, -0.2, 0.1, 0.0], np.float32),
+        "v": np.array([0.5, 1.5, 0.8, 2.0], np.float32),
+    }
+    case.ops = ("BatchNormalization",)
+    return case
+
+
+def normalization_cases() -> list[Case]:
+    bn1d = dense("BatchNormalization")  # on (N, C)
+    bn1d.name = "BatchNormalization:2d"
+    bn1d.nodes[1] = n("BatchNormalization", ["h1", "s", "b", "m", "v"], ["h2"])
+    bn1d.params.update({"s": (5,), "b": (5,)})
+    bn1d.consts = {
+        "m": np.linspace(-0.3, 0.3, 5, dtype=np.float32),
+        "v": np.linspace(0.5, 2, 5, dtype=np.float32),
+    }
+    ln = Case(
+        "LayerNormalization",
+        (6,),
+        (3,),
+        [
+            n("Gemm", ["x", "w1", "b1"], ["h1"], transB=1),
+            n("Reshape", ["h1", "s1"], ["h2"]),  # (N, 2, 4)
+            n("LayerNormalization", ["h2", "g", "be"], ["h3"], axis=-1, epsilon=1e-3),
+            n("Tanh", ["h3"], ["h4"]),
+            *head("h4", 8),
+        ],
+        {"w1": (8, 6), "b1": (8,), "g": (4,), "be": (4,), "hw": (3, 8), "hb": (3,)},
+        consts={"s1": np.array([-1, 2, 4], np.int64)},
+    )
+    # over two axes, no bias, its Mean and InvStdDev outputs used
+    ln2 = Case(
+        "LayerNormalization:axes",
+        (6,),
+        (3,),
+        [
+            n("Gemm", ["x", "w1", "b1"], ["h1"], transB=1),
+            n("Reshape", ["h1", "s1"], ["h2"]),  # (N, 2, 2, 3)
+            n("LayerNormalization", ["h2", "g"], ["h3", "mu", "isd"], axis=2),
+            n("Mul", ["h3", "isd"], ["h4"]),
+            n("Add", ["h4", "mu"], ["h5"]),
+            *head("h5", 12),
+        ],
+        {"w1": (12, 6), "b1": (12,), "g": (2, 3), "hw": (3, 12), "hb": (3,)},
+        consts={"s1": np.array([-1, 2, 2, 3], np.int64)},
+        ops=("LayerNormalization",),
+    )
+    return [batchnorm_case(), bn1d, ln, ln2]
 
 
 CASES = cases()
@@ -363,13 +431,38 @@ def test_an_operator_without_a_rule_is_refused_at_import_with_the_node_and_the_l
     )
 
 
-def test_batchnorm_is_refused_with_the_export_advice() -> None:
-    case = conv_case(
-        "BatchNormalization", n("BatchNormalization", ["c2", "s", "b", "m", "v"], ["p"]), 4, (5, 5), 4 * 25
-    )
-    case.params.update({"s": (4,), "b": (4,)})
-    case.consts = {"m": np.zeros(4, np.float32), "v": np.ones(4, np.float32)}
-    with pytest.raises(ConfigError, match="evaluation mode"):
+NORMS = [c for c in CASES if c.name.split(":")[0] in ("BatchNormalization", "LayerNormalization")]
+
+
+@pytest.mark.parametrize("case", NORMS, ids=[c.name for c in NORMS])
+def test_normalizations_evaluate_as_onnxruntime_operators_do(case: Case) -> None:
+    """The primitives the import writes equal onnxruntime's BatchNormalization and LayerNormalization."""
+    ort = pytest.importorskip("onnxruntime")
+    data = model_bytes(case)
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": batch(case)[0]})[0]
+    imported = import_onnx(data, task=case.task)
+    have = OnnxModel.from_bundle(imported.bundle).logits(imported.weights, batch(case)[0])
+    np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5)
+    ops = {node.op_type for node in onnx.load_from_string(imported.bundle.eval_graph).graph.node}
+    assert not ops & {"BatchNormalization", "LayerNormalization"}
+
+
+def test_batchnorm_statistics_are_constants_and_scale_and_bias_parameters() -> None:
+    case = batchnorm_case()
+    imported = import_onnx(model_bytes(case), task="classification")
+    assert imported.bundle.param_names == ("cw", "cb", "s", "b", "hw", "hb")
+    for graph in (imported.bundle.train_graph, imported.bundle.eval_graph):
+        inits = {
+            i.name: onnx.numpy_helper.to_array(i) for i in onnx.load_from_string(graph).graph.initializer
+        }
+        for stat in ("m", "v"):
+            np.testing.assert_array_equal(inits[stat], case.consts[stat])
+
+
+def test_batchnorm_in_training_mode_is_refused() -> None:
+    case = batchnorm_case()
+    case.nodes[2] = n("BatchNormalization", ["c2", "s", "b", "m", "v"], ["p", "rm", "rv"], training_mode=1)
+    with pytest.raises(ConfigError, match="training mode"):
         import_onnx(model_bytes(case), task="classification")
 
 

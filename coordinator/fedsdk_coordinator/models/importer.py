@@ -9,8 +9,9 @@ What the import does:
 1. **Checks** the model: one input and one output, float32, default-domain operators only, opset 13–20
    (converted to the builder's opset 17 with onnx's version converter), batch axis made symbolic (``N``).
 2. **Finds the parameters**: every float initializer of rank ≥ 1 that feeds a differentiable input of a
-   node (a weight, a bias, an embedding table). Rank-0 float initializers and integer ones (shapes, axes,
-   indices) stay constants. Parameters become graph *inputs* (the weights travel as numpy arrays).
+   node (a weight, a bias, an embedding table). Rank-0 float initializers, integer ones (shapes, axes,
+   indices) and BatchNormalization's running statistics stay constants. Parameters become graph *inputs*
+   (the weights travel as numpy arrays).
 3. **Walks the graph backwards** from the loss (reverse-mode automatic differentiation over the node DAG):
    a tensor used by several nodes (a residual connection) receives the sum of its consumers' gradients;
    each node's gradient comes from its operator's rule (:mod:`.rules`). A node on the path from a
@@ -26,8 +27,8 @@ What the import does:
 6. **Tries the graphs** in onnxruntime on a batch of two zero samples, so a graph that onnxruntime refuses
    fails here, on the coordinator, and never on a device mid-round.
 
-BatchNormalization is not yet differentiated: export the model in evaluation mode (PyTorch then folds each
-BatchNorm into the convolution before it), or it is refused with that advice.
+Before step 2, deduplicated initializers are split and normalizations written as primitives
+(:mod:`.rewrite`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ from fedsdk.model.bundle import (
     TASKS,
     GraphBundle,
 )
-from fedsdk.model.graphwriter import Shape
 from fedsdk_coordinator.models.autodiff import DIFFERENTIABLE, OPSET, Plan, eval_graph, train_graph
+from fedsdk_coordinator.models.rewrite import (
+    REWRITTEN,
+    infer_shapes,
+    rewrite_normalizations,
+    split_deduplicated,
+)
 from fedsdk_coordinator.models.rules import RULES, Node
 
 __all__ = ["META_TASK", "OPSET", "SHAPE_OPS", "TASKS", "ImportedModel", "import_onnx", "supported_ops"]
@@ -82,8 +88,9 @@ SHAPE_OPS = frozenset(
 
 
 def supported_ops() -> list[str]:
-    """Operators that may lie on the path from a parameter to the output (plus ``Dropout``)."""
-    return sorted({*RULES, "Dropout"})
+    """Operators that may lie on the path from a parameter to the output: those with a gradient rule, the
+    normalizations rewritten into them, and ``Dropout``."""
+    return sorted({*RULES, *REWRITTEN, "Dropout"})
 
 
 @dataclass(frozen=True)
@@ -147,25 +154,6 @@ def _rename(model: Any, x_name: str) -> None:
         vi.name = new(vi.name)
 
 
-def _shapes(onnx: Any, model: Any) -> dict[str, Shape]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
-    except Exception as exc:
-        raise ConfigError(f"ONNX shape inference failed on the model: {exc}") from exc
-    out: dict[str, Shape] = {}
-    g = inferred.graph
-    for vi in [*g.input, *g.value_info, *g.output]:
-        t = vi.type.tensor_type
-        if not t.HasField("shape"):
-            continue
-        out[vi.name] = tuple(
-            int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
-        )
-    for init in g.initializer:
-        out[init.name] = tuple(int(d) for d in init.dims)
-    return out
-
-
 def _nodes(onnx: Any, model: Any) -> list[Node]:
     get = onnx.helper.get_attribute_value
     nodes = []
@@ -223,9 +211,11 @@ def import_onnx(source: str | Path | bytes, *, task: str = "classification") -> 
             dims[0].dim_param = "N"
     del g.value_info[:]
     _rename(model, x_info.name)
+    split_deduplicated(onnx, model)
+    frozen = rewrite_normalizations(onnx, model)
     init_names = {i.name for i in g.initializer}
     input_shape = tuple(int(d.dim_value) for d in x_dims[1:])
-    shapes = _shapes(onnx, model)
+    shapes = infer_shapes(onnx, model)
     nodes = _nodes(onnx, model)
     consts = {i.name: onnx.numpy_helper.to_array(i) for i in g.initializer}
     for n in nodes:
@@ -245,6 +235,7 @@ def import_onnx(source: str | Path | bytes, *, task: str = "classification") -> 
             if (
                 name in init_names
                 and name not in params
+                and name not in frozen
                 and arr is not None
                 and arr.dtype == np.float32
                 and arr.ndim >= 1
@@ -260,14 +251,8 @@ def import_onnx(source: str | Path | bytes, *, task: str = "classification") -> 
         diff = DIFFERENTIABLE.get(n.op_type, range(len(n.inputs)))
         if any(k in diff and name in live for k, name in enumerate(n.inputs)):
             if n.op_type not in RULES and n.op_type != "Dropout":
-                hint = (
-                    " (export the model in evaluation mode: PyTorch then folds each BatchNorm into the"
-                    " convolution before it)"
-                    if n.op_type == "BatchNormalization"
-                    else ""
-                )
                 raise ConfigError(
-                    f"node {n.name!r}: operator {n.op_type} has no gradient rule{hint}; supported: "
+                    f"node {n.name!r}: operator {n.op_type} has no gradient rule; supported: "
                     + ", ".join(supported_ops())
                 )
             live.update(o for o in n.outputs if o)

@@ -14,7 +14,10 @@ derivative, so that gradients match ``torch.autograd`` exactly:
   ``min ≤ x ≤ max`` (inclusive, as ``torch.clamp``). HardSigmoid (``alpha·x + beta``): ``alpha`` strictly
   inside (0, 1). HardSwish: ``(2x + 3)/6`` on ``−3 < x < 3``, 1 for ``x ≥ 3``.
 * Elementwise binary operators broadcast (numpy rules); each gradient is summed back to its input's
-  shape (:meth:`GraphWriter.unbroadcast`).
+  shape (:meth:`GraphWriter.unbroadcast`). Sqrt: ``dY / (2·√x)`` (infinite at x = 0, as in PyTorch).
+* BatchNormalization and LayerNormalization have no rule of their own: the importer writes them with
+  Add, Sub, Mul, Div, Sqrt, Reshape and ReduceMean (``fedsdk_coordinator.models.importer``), so their
+  gradients are those rules'.
 * Gemm ``Y = α·op(A)·op(B) + β·C``: ``d op(A) = α·dY·op(B)ᵀ``, ``d op(B) = α·op(A)ᵀ·dY``, each
   written as one Gemm with the transpositions folded in; ``dC = β·dY`` summed to C's shape.
 * MatMul ``Y = A·B`` (batched, broadcasting): ``dA = dY·Bᵀ``, ``dB = Aᵀ·dY`` over the last two axes,
@@ -167,6 +170,14 @@ def _neg(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[b
     out = _none(node)
     if need[0] and dys[0] is not None:
         out[0] = w.op("Neg", [dys[0]])
+    return out
+
+
+@_rule("Sqrt")
+def _sqrt(w: GraphWriter, node: Node, dys: Sequence[str | None], need: Sequence[bool]) -> Grads:
+    out, y = _none(node), node.outputs[0]
+    if need[0] and dys[0] is not None:  # d√x/dx = 1 / (2√x)
+        out[0] = w.op("Div", [dys[0], w.op("Add", [y, y])])
     return out
 
 
