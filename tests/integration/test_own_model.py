@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,51 @@ async def test_the_federated_evaluation_and_the_exported_models(
     assert out["served"] is not None
     served = ort.InferenceSession(out["served"], providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(served, got, rtol=1e-5, atol=1e-5)
+
+
+async def run_python(*args: str, timeout: float = 200) -> tuple[int, str, str]:
+    """``python *args`` in a subprocess: exit code, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_csv_devices_on_the_command_line_save_models_that_plain_onnxruntime_scores(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    example, data = Path(__file__).parents[2] / "examples" / "own_model", tmp_path / "data"
+    rc, _, err = await run_python(str(example / "make_data.py"), "--out", str(data), "--samples", "200")
+    assert rc == 0, err
+    fed = f"csv{secrets.token_hex(3)}"
+    config = CoordinatorConfig(
+        rounds=RoundConfig(federation=fed, seed=1, rounds=3, min_clients=3, start_clients=3, epochs=3),
+        state_dir=tmp_path / "state",
+        broker_url=broker.url,
+        insecure=True,
+        model=str(sensor_model(tmp_path / "sensor.onnx", CLASSES)),
+    )
+
+    def join(device: str) -> Any:
+        return run_python(
+            "-m", "fedsdk", "join", broker.url, "--insecure", "--client-id", device, "--federation", fed,
+            "--data", str(data / f"{device}.csv"), "--timeout", "150",
+            "--save-model", str(tmp_path / f"{device}.onnx"),
+        )  # fmt: skip
+
+    async with TestClient(TestServer(create_app(config))) as http:
+        runs = await asyncio.gather(*(join(f"pi-0{k}") for k in (1, 2, 3)))
+        evaluation = await (await http.get("/api/evaluation")).json()
+    for k, (rc, out, err) in enumerate(runs, start=1):
+        assert rc == 0, (out + err)[-2000:]
+        assert f"pi-0{k}: model written to" in out
+    # each device evaluates on the default held-out split of CSV data: 20 % of its 200 samples
+    assert [r["device_eval_samples"] for r in evaluation["0"]] == [3 * 40] * 3
+    assert evaluation["0"][-1]["device_accuracy"] > 0.8
+    rc, out, err = await run_python(
+        str(example / "score.py"), str(tmp_path / "pi-01.onnx"), str(data / "test.csv")
+    )
+    assert rc == 0, err
+    assert float(out.split("accuracy ")[1].split()[0]) > 0.8, out
