@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print("fedsdk demo: --clients and --rounds must be at least 1", file=sys.stderr)
         return 2
     args.key_mode = args.key_mode or "shared"
+    if not getattr(args, "verbose", 0):  # the demo prints its own line per round
+        logging.getLogger("fedsdk.progress").setLevel(logging.WARNING)
     co = import_coordinator()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
