@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
+import json
 import logging
 import multiprocessing
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -40,7 +40,7 @@ from fedsdk.model.export import write_onnx
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
-from fedsdk_coordinator.evaluation import METRICS, describe_evaluation
+from fedsdk_coordinator.evaluation import METRICS, by_cluster, describe_evaluation
 from fedsdk_coordinator.models.source import ModelSource, load_model
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
@@ -68,6 +68,7 @@ class CoordinatorConfig:
     eval_data: str | None = None
     label_columns: tuple[str, ...] = ("label",)  # of a CSV eval_data file
     save_model_dir: Path | None = None  # plaintext: each cluster's final model written here as ONNX
+    summary_path: Path | None = None  # the run's summary (state, evaluation per cluster, refused) as JSON
     broker_url: str | None = None
     embedded: EmbeddedBrokerConfig | None = None
     tls: TlsConfig | None = None
@@ -204,8 +205,8 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
             asyncio.create_task(receive(), name="coordinator-receive"),
             asyncio.create_task(engine.run(), name="coordinator-rounds"),
         ]
-        if cfg.save_model_dir is not None:
-            tasks.append(asyncio.create_task(_save_models(engine, cfg.save_model_dir), name="save-models"))
+        if cfg.save_model_dir is not None or cfg.summary_path is not None:
+            tasks.append(asyncio.create_task(_at_finish(engine, app[STORE], cfg), name="at-finish"))
         try:
             yield
         finally:
@@ -223,16 +224,30 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
                 executor.shutdown(wait=True, cancel_futures=True)
 
 
-async def _save_models(engine: RoundEngine, folder: Path) -> None:
-    """When the federation has finished, write each cluster's model to ``folder/cluster-<k>.onnx``."""
+async def _at_finish(engine: RoundEngine, store: Store, cfg: CoordinatorConfig) -> None:
+    """When the federation has ended: the summary JSON, and (finished, plaintext) each cluster's model in
+    ``cluster-<k>.onnx``."""
     await engine.finished.wait()
-    if engine.state != "finished":
+    if cfg.summary_path is not None:
+        health = engine.health()
+        summary = {
+            "federation": cfg.rounds.federation,
+            "state": engine.state,
+            "rounds": engine.completed_round,
+            "detail": engine.detail,
+            "clusters": health["clusters"],
+            "evaluation": by_cluster(store.rounds()),
+            "refused": health["refused"],
+        }
+        cfg.summary_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg.summary_path.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    if cfg.save_model_dir is None or engine.state != "finished":
         return
     if engine.he is not None:
         log.warning("--save-model: under HE the coordinator holds no model; devices export it")
         return
     for k in sorted(engine.models) or [0]:
-        path = write_onnx(folder / f"cluster-{k}.onnx", engine.export_model(k))
+        path = write_onnx(cfg.save_model_dir / f"cluster-{k}.onnx", engine.export_model(k))
         log.warning("cluster %d's model written to %s", k, path)
 
 
@@ -255,13 +270,7 @@ async def _cluster_model(request: web.Request) -> web.Response:
 
 async def _evaluation(request: web.Request) -> web.Response:
     """Per cluster, round by round: the federated evaluation (:mod:`.evaluation`) and the coordinator's."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in request.app[STORE].rounds():
-        if r.state != "done":
-            continue
-        figures = {k: v for k, v in r.metrics.items() if k.startswith(("device_", "test_"))}
-        out.setdefault(str(r.cluster_id), []).append({"round": r.round_id, **figures})
-    return web.json_response(out)
+    return web.json_response(by_cluster(request.app[STORE].rounds()))
 
 
 async def _health(request: web.Request) -> web.Response:

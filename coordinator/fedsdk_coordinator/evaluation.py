@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["METRICS", "describe_evaluation", "federated_metrics"]
+__all__ = ["METRICS", "by_cluster", "describe_evaluation", "federated_metrics"]
 
 #: The task metrics a device may report, by the name its executor gives them.
 METRICS = ("accuracy", "mae", "label_accuracy")
@@ -58,3 +58,15 @@ def describe_evaluation(metrics: Mapping[str, Any]) -> str:
         if f"test_{name}" in metrics:
             parts.append(f"coordinator's {name.replace('_', ' ')} {metrics[f'test_{name}']:.4f}")
     return ", ".join(parts) or "no evaluation reported"
+
+
+def by_cluster(rounds: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per cluster id (as a string, a JSON key), round by round: the evaluation figures of each finished
+    round (``device_*`` and the coordinator's ``test_*``), from the store's round records."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rounds:
+        if r.state != "done":
+            continue
+        figures = {k: v for k, v in r.metrics.items() if k.startswith(("device_", "test_"))}
+        out.setdefault(str(r.cluster_id), []).append({"round": r.round_id, **figures})
+    return out

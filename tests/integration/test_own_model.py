@@ -237,6 +237,8 @@ async def test_csv_devices_on_the_command_line_save_models_that_plain_onnxruntim
         broker_url=broker.url,
         insecure=True,
         model=str(sensor_model(tmp_path / "sensor.onnx", CLASSES)),
+        save_model_dir=tmp_path / "cluster-models",
+        summary_path=tmp_path / "summary.json",
     )
 
     def join(device: str) -> Any:
@@ -249,12 +251,22 @@ async def test_csv_devices_on_the_command_line_save_models_that_plain_onnxruntim
     async with TestClient(TestServer(create_app(config))) as http:
         runs = await asyncio.gather(*(join(f"pi-0{k}") for k in (1, 2, 3)))
         evaluation = await (await http.get("/api/evaluation")).json()
+        await asyncio.wait_for(http.app[ENGINE].finished.wait(), 30)
+        for _ in range(100):  # the summary and the models are written once the federation has ended
+            if (tmp_path / "cluster-models" / "cluster-0.onnx").exists():
+                break
+            await asyncio.sleep(0.1)
     for k, (rc, out, err) in enumerate(runs, start=1):
         assert rc == 0, (out + err)[-2000:]
         assert f"pi-0{k}: model written to" in out
     # each device evaluates on the default held-out split of CSV data: 20 % of its 200 samples
     assert [r["device_eval_samples"] for r in evaluation["0"]] == [3 * 40] * 3
     assert evaluation["0"][-1]["device_accuracy"] > 0.8
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["state"] == "finished" and summary["rounds"] == 3 and summary["evaluation"] == evaluation
+    # plaintext: the coordinator's copy of the cluster model is the one the devices hold
+    cluster_model = (tmp_path / "cluster-models" / "cluster-0.onnx").read_bytes()
+    assert cluster_model == (tmp_path / "pi-01.onnx").read_bytes()
     rc, out, err = await run_python(
         str(example / "score.py"), str(tmp_path / "pi-01.onnx"), str(data / "test.csv")
     )

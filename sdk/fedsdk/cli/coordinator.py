@@ -104,6 +104,12 @@ def add_parser(sub: Any) -> None:
         help="when the federation finishes, write each cluster's model to DIR/cluster-<k>.onnx (plaintext "
         "strategies; under HE only devices hold the model: fedsdk join --save-model)",
     )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="when the federation ends, write its summary here: state, rounds, clusters, the federated "
+        "evaluation per cluster round by round, refused devices",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
@@ -170,10 +176,8 @@ def _refuse_ignored_broker_options(args: argparse.Namespace) -> None:
 def _check_model_and_he(args: argparse.Namespace) -> None:
     """The model name and the HE key folder the strategy needs, checked before anything starts."""
     from fedsdk.hekeys import PARAMS, PUBLIC, SECRET
-    from fedsdk_coordinator.app import model_for
+    from fedsdk_coordinator.app import CoordinatorConfig, coordinator_eval_data, model_for
     from fedsdk_coordinator.strategies import strategy
-
-    from fedsdk_coordinator.app import CoordinatorConfig, coordinator_eval_data
 
     source = model_for(args.model, args.task, args.seed)  # imports a model file here: a bad one fails first
     labels = tuple(c.strip() for c in args.label_column.split(",") if c.strip())
@@ -338,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         eval_data=args.eval_data,
         label_columns=tuple(c.strip() for c in args.label_column.split(",") if c.strip()),
         save_model_dir=Path(args.save_model) if args.save_model else None,
+        summary_path=Path(args.json) if args.json else None,
         broker_url=args.broker,
         embedded=embedded,
         tls=tls,
