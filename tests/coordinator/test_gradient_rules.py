@@ -39,6 +39,7 @@ class Case:
     ops: tuple[str, ...] = ()  # the rules this case exercises (default: its name)
     x_ints: int = 0  # x holds integer ids below this (embeddings)
     opset: int = 17
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # parameters not drawn at random
 
 
 def n(op: str, inputs: list[str], outputs: list[str], **attrs: Any) -> Any:
@@ -86,14 +87,85 @@ def conv_case(
     )
 
 
+def conv_weight_case(
+    name: str, x_shape: tuple[int, ...], wshape: tuple[int, ...], out_spatial: tuple[int, ...], **attrs: Any
+) -> Case:
+    """x -> Conv without bias -> Tanh -> head: the Conv rule returns only the weight's gradient, so the
+    mutation check tests that one form (:func:`rules.conv_weight_form`)."""
+    features = wshape[0] * int(np.prod(out_spatial))
+    return Case(
+        name,
+        x_shape,
+        (3,),
+        [
+            n("Conv", ["x", "cw"], ["c1"], kernel_shape=list(wshape[2:]), **attrs),
+            n("Tanh", ["c1"], ["c2"]),
+            *head("c2", features),
+        ],
+        {"cw": wshape, "hw": (3, features), "hb": (3,)},
+        ops=("Conv",),
+    )
+
+
+# name: (the weight-gradient form, the case)
+CONV_FORMS = {
+    c.name: (form, c)
+    for form, c in [
+        (
+            "shift",
+            conv_weight_case(
+                "Conv:shift",
+                (4, 7, 6),
+                (5, 4, 2, 2),
+                (4, 5),
+                pads=[1, 0, 0, 1],
+                strides=[2, 1],
+                dilations=[1, 2],
+            ),
+        ),
+        ("shift", conv_weight_case("Conv:shift1d", (3, 11), (4, 3, 3), (6,), pads=[1, 1], strides=[2])),
+        ("shift", conv_weight_case("Conv:shift3d", (8, 3, 3, 3), (2, 8, 2, 2, 2), (2, 2, 2))),
+        (
+            "im2col",
+            conv_weight_case(
+                "Conv:im2col", (2, 6, 6), (3, 2, 3, 3), (3, 3), pads=[1, 1, 1, 1], strides=[2, 2]
+            ),
+        ),
+        (
+            "im2col",
+            conv_weight_case(
+                "Conv:im2col-groups",
+                (4, 5, 5),
+                (6, 2, 2, 2),
+                (5, 3),
+                group=2,
+                dilations=[2, 2],
+                pads=[1, 0, 1, 0],
+            ),
+        ),
+        ("im2col", conv_weight_case("Conv:1x1", (3, 5, 5), (4, 3, 1, 1), (5, 5))),
+        ("im2col", conv_weight_case("Conv:1x1-strided", (3, 5, 5), (4, 3, 1, 1), (3, 5), strides=[2, 1])),
+        ("im2col", conv_weight_case("Conv:1x1-padded", (3, 4, 4), (2, 3, 1, 1), (5, 5), pads=[1, 1, 0, 0])),
+    ]
+}
+
+
 def cases() -> list[Case]:
     out = [dense(op) for op in ("Relu", "Sigmoid", "Tanh", "HardSwish", "Neg", "Identity")]
     out.append(dense("LeakyRelu", alpha=0.2))
+    steep = dense("LeakyRelu", alpha=1.5)  # outside [0, 1]: the Where form
+    steep.name = "LeakyRelu:steep"
+    out.append(steep)
     out.append(dense("HardSigmoid", alpha=0.3, beta=0.4))
     clip = dense("Clip")
     clip.nodes[1] = n("Clip", ["h1", "lo", "hi"], ["h2"])
     clip.consts = {"lo": np.array(-0.5, np.float32), "hi": np.array(0.6, np.float32)}
     out.append(clip)
+    floor = dense("Clip")
+    floor.name = "Clip:min"
+    floor.nodes[1] = n("Clip", ["h1", "lo"], ["h2"])
+    floor.consts = {"lo": np.array(-0.2, np.float32)}
+    out.append(floor)
     for op in ("Add", "Sub", "Mul", "Div"):  # broadcasting: (4, 5) with (1, 5), a parameter
         c = dense(op)
         c.nodes[1] = n(op, ["h1", "p"], ["h2"])
@@ -203,7 +275,7 @@ def cases() -> list[Case]:
         {"cw": (4, 3, 3), "cb": (4,), "dw": (4, 1, 3), "hw": (3, 24), "hb": (3,)},
         ops=("Conv",),
     )
-    out += [grouped, conv1d]
+    out += [grouped, conv1d, *(c for _, c in CONV_FORMS.values())]
     out.append(
         conv_case(
             "MaxPool",
@@ -211,6 +283,15 @@ def cases() -> list[Case]:
             4,
             (6, 6),
             4 * 9,
+        )
+    )
+    out.append(  # windows that tile the input: no indices output, the first maximum
+        conv_case(
+            "MaxPool:tiles",
+            n("MaxPool", ["c2"], ["p"], kernel_shape=[2, 3], strides=[2, 3]),
+            4,
+            (6, 6),
+            4 * 6,
         )
     )
     out.append(
@@ -336,7 +417,9 @@ CASES = cases()
 def model_bytes(case: Case, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     inits = [
-        onnx.numpy_helper.from_array(rng.normal(scale=0.7, size=s).astype(np.float32), k)
+        onnx.numpy_helper.from_array(
+            case.values[k] if k in case.values else rng.normal(scale=0.7, size=s).astype(np.float32), k
+        )
         for k, s in case.params.items()
     ]
     inits += [onnx.numpy_helper.from_array(v, k) for k, v in case.consts.items()]
@@ -397,12 +480,18 @@ def test_every_rule_has_a_case() -> None:
     assert set(rules_module.RULES) <= covered, sorted(set(rules_module.RULES) - covered)
 
 
-MUTATED = sorted({op for c in CASES for op in (c.ops or (c.name.split(":")[0],))} & set(rules_module.RULES))
+MUTATED = [
+    (op, c)
+    for c in CASES
+    for op in (c.ops or (c.name.split(":")[0],))
+    if op in rules_module.RULES and (op != "Identity" or c.name == "Identity")
+]
 
 
-@pytest.mark.parametrize("op", MUTATED)
-def test_an_injected_bug_in_the_rule_is_caught(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Scale every gradient the rule returns by 1.5: some case using the operator must then fail."""
+@pytest.mark.parametrize(("op", "case"), MUTATED, ids=[f"{op}-{c.name}" for op, c in MUTATED])
+def test_an_injected_bug_in_the_rule_is_caught(op: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scale every gradient the rule returns by 1.5: every case using the operator must then fail, so each
+    branch of a rule that some case takes is checked."""
     original = rules_module.RULES[op]
 
     def mutated(w: Any, node: Any, dys: Any, need: Any) -> list[str | None]:
@@ -410,12 +499,7 @@ def test_an_injected_bug_in_the_rule_is_caught(op: str, monkeypatch: pytest.Monk
         return [None if g is None else w.op("Mul", [g, w.fconst(1.5)]) for g in grads]
 
     monkeypatch.setitem(rules_module.RULES, op, mutated)
-    using = [
-        c
-        for c in CASES
-        if op in (c.ops or (c.name.split(":")[0],)) and (op != "Identity" or c.name == "Identity")
-    ]
-    assert max(worst_mismatch(c) for c in using) > 0.1
+    assert worst_mismatch(case) > 0.1
 
 
 def test_an_operator_without_a_rule_is_refused_at_import_with_the_node_and_the_list() -> None:
@@ -484,3 +568,97 @@ def test_files_that_cannot_work_are_refused_on_the_coordinator() -> None:
     case.opset = 11
     with pytest.raises(ConfigError, match="opset 11"):
         import_onnx(model_bytes(case))
+
+
+def train_ops(case: Case) -> list[Any]:
+    graph = onnx.load_from_string(import_onnx(model_bytes(case), task=case.task).bundle.train_graph).graph
+    return list(graph.node)
+
+
+@pytest.mark.parametrize(("name", "outputs"), [("MaxPool", 2), ("MaxPool:tiles", 1)])
+def test_maxpool_keeps_indices_only_where_its_windows_do_not_tile(name: str, outputs: int) -> None:
+    case = next(c for c in CASES if c.name == name)
+    pools = [node for node in train_ops(case) if node.op_type == "MaxPool"]
+    assert [len(node.output) for node in pools] == [outputs]
+
+
+def head_grad(y: np.ndarray, hw: np.ndarray, hb: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """dL/dy for ``head`` (Flatten, Gemm with transB) and the mean softmax cross-entropy."""
+    z = y.reshape(len(y), -1) @ hw.T + hb
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), labels] -= 1.0
+    return ((p / len(y)) @ hw).reshape(y.shape)
+
+
+def first_max_pool(t: np.ndarray, k: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """2-D max pool with kernel == stride over (C, H, W), floor mode: the values and a mask marking the
+    first maximum of each window in row-major order (PyTorch's choice among ties)."""
+    c, h, w = t.shape
+    oh, ow = h // k[0], w // k[1]
+    win = t[:, : oh * k[0], : ow * k[1]].reshape(c, oh, k[0], ow, k[1]).transpose(0, 1, 3, 2, 4)
+    flat = win.reshape(c, oh, ow, -1)
+    hot = np.eye(k[0] * k[1])[flat.argmax(axis=-1)].reshape(c, oh, ow, *k).transpose(0, 1, 3, 2, 4)
+    mask = np.zeros_like(t)
+    mask[:, : oh * k[0], : ow * k[1]] = hot.reshape(c, oh * k[0], ow * k[1])
+    return flat.max(axis=-1), mask
+
+
+TIE_VALUES = np.array(
+    [[[0, 1, 1, 0, 2, 2], [1, 0, 2, 2, 2, 2], [0, 0, -1, 0, 1, 0], [0, 0, 1, -1, 1, 1]]] * 2
+)
+TIES = {  # name: (node from h to p, reference y = f(t), reference mask dy -> dt)
+    "Relu": (n("Relu", ["h"], ["p"]), lambda t: (np.maximum(t, 0), (t > 0).astype(float))),
+    "Clip": (
+        n("Clip", ["h", "lo", "hi"], ["p"]),
+        lambda t: (np.clip(t, 0.0, 1.0), ((t >= 0) & (t <= 1)).astype(float)),
+    ),
+    "MaxPool:tiles": (n("MaxPool", ["h"], ["p"], kernel_shape=[2, 2], strides=[2, 2]), None),
+    "MaxPool:indices": (
+        n("MaxPool", ["h"], ["p"], kernel_shape=[2, 2], strides=[2, 2], pads=[0, 0, 1, 1]),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TIES))
+def test_ties_follow_pytorch(name: str) -> None:
+    """At kinks and among equal maxima the gradient is PyTorch's: Relu 0 at 0, Clip 1 at its bounds, the
+    first maximum of a MaxPool window in row-major order. ``h = x + t`` with x = 0, so dL/dt is the batch
+    sum of dL/dh."""
+    node, reference = TIES[name]
+    t = TIE_VALUES.astype(np.float32)
+    if reference is None:  # MaxPool; the padded variant pads the bottom and right edges with -inf
+        padded = np.pad(t, [(0, 0), (0, 1), (0, 1)], constant_values=-np.inf) if "indices" in name else t
+        y, mask = first_max_pool(padded, (2, 2))
+        mask = mask[:, : t.shape[1], : t.shape[2]]
+        ref = lambda d: np.repeat(np.repeat(d, 2, axis=-2), 2, axis=-1) * mask  # noqa: E731
+    else:
+        y, m = reference(t)
+        ref = lambda d: d * m  # noqa: E731
+    features = int(np.prod(y.shape))
+    case = Case(
+        name,
+        t.shape,
+        (3,),
+        [n("Add", ["x", "t"], ["h"]), node, *head("p", features)],
+        {"t": t.shape, "hw": (3, features), "hb": (3,)},
+        consts={"lo": np.array(0.0, np.float32), "hi": np.array(1.0, np.float32)},
+        values={"t": t},
+    )
+    imported = import_onnx(model_bytes(case), task=case.task)
+    weights = dict(zip(imported.bundle.param_names, imported.weights, strict=True))
+    x, labels = batch(case)
+    x = np.zeros_like(x)
+    _, grads = OnnxModel.from_bundle(imported.bundle).train_step(imported.weights, x, labels)
+    dy = head_grad(np.broadcast_to(y, (len(x), *y.shape)), weights["hw"], weights["hb"], labels)
+    want = ref(dy).sum(axis=0)
+    np.testing.assert_allclose(grads[imported.bundle.param_names.index("t")], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CONV_FORMS))
+def test_each_conv_weight_form_has_its_case(name: str) -> None:
+    form, case = CONV_FORMS[name]
+    conv = case.nodes[0]
+    group = next((a.i for a in conv.attribute if a.name == "group"), 1)
+    assert rules_module.conv_weight_form(case.params["cw"], group) == form

@@ -1,11 +1,12 @@
 """Write the training-step and evaluation graphs of an imported model (reverse-mode differentiation).
 
 The training graph copies the model's nodes (Dropout as a multiplication by a mask input, MaxPool on the
-gradient path also returning its argmax indices), appends the task's mean loss on the model's output, then
-walks the nodes in reverse: each node's output gradients (summed where a tensor feeds several nodes, as in
-a residual connection) go through its operator's rule (:mod:`.rules`) to its inputs. Every parameter's
-gradient becomes an output ``grad.<name>``; one the loss does not reach is zero. The evaluation graph is
-the copied forward pass. Both are opset 17, IR version 8, and validated with ``onnx.checker``.
+gradient path also returning its argmax indices unless its windows tile the input), appends the task's
+mean loss on the model's output, then walks the nodes in reverse: each node's output gradients (summed
+where a tensor feeds several nodes, as in a residual connection) go through its operator's rule
+(:mod:`.rules`) to its inputs. Every parameter's gradient becomes an output ``grad.<name>``; one the loss
+does not reach is zero. The evaluation graph is the copied forward pass. Both are opset 17, IR version 8,
+and validated with ``onnx.checker``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from fedsdk.errors import ConfigError
 from fedsdk.model.bundle import EVAL_OUTPUT, GRAD_PREFIX, LOSS_OUTPUT, MASK_PREFIX, META_DROPOUT
 from fedsdk.model.graphwriter import IR_VERSION, OPSET, GraphWriter, Shape, softmax_cross_entropy
-from fedsdk_coordinator.models.rules import RULES, Node
+from fedsdk_coordinator.models.rules import RULES, Node, maxpool_tiles
 
 __all__ = ["DIFFERENTIABLE", "IR_VERSION", "OPSET", "Plan", "eval_graph", "train_graph"]
 
@@ -58,7 +59,8 @@ class Plan:
 def _forward(w: GraphWriter, nodes: Sequence[Node], train: bool, live: set[str]) -> list[Node]:
     """Write the model's nodes; returns them as written (the backward pass differentiates these): Dropout
     becomes a Mul by its mask input (training) or the identity, MaxPool on the gradient path also returns
-    its argmax indices."""
+    its argmax indices unless its windows tile the input (:func:`.rules.maxpool_tiles`: the rule then
+    finds the maxima itself and the forward keeps onnxruntime's faster single-output kernel)."""
     written = []
     for k, n in enumerate(nodes):
         if n.op_type == "Dropout":
@@ -72,6 +74,7 @@ def _forward(w: GraphWriter, nodes: Sequence[Node], train: bool, live: set[str])
             and n.op_type == "MaxPool"
             and n.inputs[0] in live
             and (len(n.outputs) < 2 or not n.outputs[1])
+            and not maxpool_tiles(w, n)
         ):
             n = Node(n.op_type, list(n.inputs), [n.outputs[0], f"g/indices/{k}"], dict(n.attrs), n.name)
         w.nodes.append(w.onnx.helper.make_node(n.op_type, n.inputs, n.outputs, name=n.name, **n.attrs))
