@@ -110,3 +110,11 @@ def test_data_that_does_not_fit_the_model_says_why(
 ) -> None:
     with pytest.raises(TrainingError, match=match):
         fit_to_model(x.astype(np.float32), y, input_shape=(12,), output_shape=(3,), task=task)
+
+
+def test_an_unknown_output_shape_checks_the_samples_only() -> None:
+    y = np.array([5, 7])
+    for out in ((), (-1,)):
+        x, same = fit_to_model(np.ones((2, 4), np.float32), y, input_shape=(2, 2), output_shape=out,
+                               task="classification")  # fmt: skip
+        assert x.shape == (2, 2, 2) and same is y

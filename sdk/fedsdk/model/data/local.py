@@ -124,7 +124,8 @@ def fit_to_model(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(x, y)`` shaped for a model whose input and output per sample have these shapes, for ``task``
     (``classification``: one output per class; ``regression``; ``multilabel``); :class:`TrainingError`
-    says what does not fit."""
+    says what does not fit. An ``output_shape`` that is empty or has an unknown (< 1) size checks the
+    samples only; the targets are then left to the training step's own checks."""
     shape = tuple(int(d) for d in input_shape)
     out_shape = tuple(int(d) for d in output_shape)
     outputs = math.prod(out_shape)
@@ -132,6 +133,8 @@ def fit_to_model(
         got = tuple(x.shape[1:])
         raise TrainingError(f"{what}: samples of shape {got} do not fit the model input {shape}")
     xs = np.ascontiguousarray(x.reshape((len(x), *shape)), dtype=np.float32)
+    if not out_shape or min(out_shape) < 1:
+        return xs, y
     if task == "classification":
         if y.ndim != 1 or (y.dtype.kind == "f" and not np.all(y == np.round(y))):
             raise TrainingError(
