@@ -111,6 +111,11 @@ async def _wait(event: asyncio.Event, timeout: float) -> bool:
     return bool(done)
 
 
+def _shape_text(shape: Sequence[int]) -> str:
+    """A sample's shape as tasks and the status carry it: ``(1, 28, 28)`` -> ``"1,28,28"``."""
+    return ",".join(str(int(d)) for d in shape)
+
+
 @dataclass(frozen=True)
 class RoundConfig:
     federation: str = "default"
@@ -792,8 +797,8 @@ class RoundEngine:
         model = {
             "model_id": self.bundle.model_id,
             "task": m.task,
-            "input_shape": ",".join(str(d) for d in self.bundle.input_shape),
-            "output_shape": ",".join(str(d) for d in m.output_shape),
+            "input_shape": _shape_text(self.bundle.input_shape),
+            "output_shape": _shape_text(m.output_shape),
         }
         return encode(
             Status(
@@ -824,7 +829,7 @@ class RoundEngine:
             "epochs": c.epochs,
             "weight_decay": c.weight_decay,
             "seed": c.seed * 100_003 + round_id,
-            "input_shape": ",".join(str(d) for d in self.bundle.input_shape),
+            "input_shape": _shape_text(self.bundle.input_shape),
             "mask": self.strategy.mask,
             "budget": float(budget),
             "metric": c.metric,

@@ -619,9 +619,8 @@ class FedClient:
         return self._reshape(task, x), y
 
     def _reshape(self, task: Task, x: np.ndarray) -> np.ndarray:
-        shape_spec = str(task.config.get("input_shape", ""))
-        if shape_spec:
-            shape = tuple(int(d) for d in shape_spec.split(","))
+        shape = _dims(task.config.get("input_shape", ""))
+        if shape:
             if int(np.prod(shape)) != int(np.prod(x.shape[1:])):
                 raise TrainingError(
                     f"local samples of shape {x.shape[1:]} do not fit the model input {shape}"

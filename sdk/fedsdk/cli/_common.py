@@ -11,6 +11,11 @@ from fedsdk.transport import TlsConfig
 log = logging.getLogger("fedsdk.cli")
 
 
+def column_names(text: str) -> tuple[str, ...]:
+    """``--label-column a,b`` -> ``("a", "b")`` (blanks dropped)."""
+    return tuple(c.strip() for c in text.split(",") if c.strip())
+
+
 def add_tls_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TLS (on by default)")
     g.add_argument("--ca", help="CA certificate (PEM) that signed the broker's certificate")

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsdk.cli._common import add_tls_options, tls_from_args
+from fedsdk.cli._common import add_tls_options, column_names, tls_from_args
 from fedsdk.cli._coord import check_listen, hostport, import_coordinator, serve
 from fedsdk.cli._strategy import add_strategy_options, strategy_kwargs
 from fedsdk.errors import ConfigError
@@ -180,7 +180,7 @@ def _check_model_and_he(args: argparse.Namespace) -> None:
     from fedsdk_coordinator.strategies import strategy
 
     source = model_for(args.model, args.task, args.seed)  # imports a model file here: a bad one fails first
-    labels = tuple(c.strip() for c in args.label_column.split(",") if c.strip())
+    labels = column_names(args.label_column)
     coordinator_eval_data(CoordinatorConfig(eval_data=args.eval_data, label_columns=labels), source)
     strat = strategy(args.strategy)
     if strat.backend is None:
@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         task=args.task,
         eval_data=args.eval_data,
-        label_columns=tuple(c.strip() for c in args.label_column.split(",") if c.strip()),
+        label_columns=column_names(args.label_column),
         save_model_dir=Path(args.save_model) if args.save_model else None,
         summary_path=Path(args.json) if args.json else None,
         broker_url=args.broker,

@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from fedsdk.cli._common import add_tls_options, tls_from_args
+from fedsdk.cli._common import add_tls_options, column_names, tls_from_args
 from fedsdk.errors import ConfigError
 from fedsdk.heap import freeze_long_lived
 
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from fedsdk.hekeys import load_he
     from fedsdk.model.data import hold_out, load_data
 
-    labels = tuple(c.strip() for c in args.label_column.split(",") if c.strip())
+    labels = column_names(args.label_column)
     x, y = load_data(args.data, label_columns=labels)
     kit = None
     if args.kit:
