@@ -154,6 +154,8 @@ class _Pending:
     upload_s: float = 0.0
     book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
     applying: bool = False  # its aggregate is being applied
+    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = None  # shapes and update, counted after sending
+    leak: asyncio.Future[dict[str, float]] | None = None  # the count, for the round's report
 
 
 @dataclass(frozen=True)
@@ -589,6 +591,9 @@ class FedClient:
             raise
         pending.upload_s = upload_s
         trained(upload_s, nbytes)
+        if pending.leak_input is not None:  # off the critical path: the device now waits for the aggregate
+            pending.leak = loop.run_in_executor(None, self._leak_count, task, *pending.leak_input)
+            pending.leak_input = None
         progress.info(
             "round %d cluster %d: update sent (%d bytes, %.0f%% encrypted, %.2f s training)",
             task.round_id, task.cluster_id, nbytes, 100 * record.get("encrypted_ratio", 0.0),
@@ -698,6 +703,10 @@ class FedClient:
             seed=int(task.config.get("seed", task.round_id)),
             samples=self._local_xy(task)[0] if self._data is not None else None,
         )
+        if choice.leak_deferred:
+            pending = self._pending.get(task.round_id)
+            if pending is not None:
+                pending.leak_input = ([tuple(w.shape) for w in base], flat)
         z = float(task.config.get("mask_noise", 0.0))
         hidden = np.repeat(choice.mask, self._he.pack_size)[: flat.size]
         if z > 0:  # Gaussian noise on the clear part (fedsdk.noise)
@@ -732,6 +741,14 @@ class FedClient:
             metrics=metrics,
         )
         return msg, record
+
+    def _leak_count(
+        self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray
+    ) -> dict[str, float]:
+        """The leakage counts of an update sent whole under encryption (:func:`pipeline.leak_count`)."""
+        samples = self._local_xy(task)[0] if self._data is not None else None
+        assert self._he is not None
+        return pipeline.leak_count(task.config, shapes, flat, samples, self._he.pack_size)
 
     def _check_own_update(
         self, task: Task, base: list[np.ndarray], flat: np.ndarray, hidden: np.ndarray | None
@@ -1039,6 +1056,11 @@ class FedClient:
             return
         metrics.update(dec)
         metrics.setdefault("decrypt_s", 0.0)
+        if pending.leak is not None:
+            try:
+                metrics.update(await pending.leak)
+            except (FedError, ValueError) as exc:
+                log.warning("round %d: leakage count failed: %s", agg.round_id, exc)
         self.summary.applied_rounds.append(agg.round_id)
         self._model_round = agg.round_id
         last = pending.task.config.get("rounds")

@@ -51,6 +51,7 @@ __all__ = [
     "encode_pack_mask",
     "flatten",
     "he_aggregate_from_message",
+    "leak_count",
     "make_sketch",
     "message_from_contribution",
     "message_from_he_aggregate",
@@ -155,6 +156,7 @@ class MaskChoice:
     seconds: dict[str, float] = field(default_factory=dict)
     gave_way: str | None = None
     counts: dict[str, float] = field(default_factory=dict)  # leak_rows, leak_packs (fedsdk.leakage)
+    leak_deferred: bool = False  # the leakage count is left to leak_count (every pack is encrypted)
 
 
 def fill_mask(
@@ -210,10 +212,18 @@ def choose_mask(
     if mode == "all":
         return MaskChoice(np.ones(n_packs, dtype=bool), 1.0, 1.0)
     t0 = time.perf_counter()
+    budget = float(config.get("budget", 0.1))
+    if mode == "solver" and config.get("mask_fill") and budget >= 1.0:
+        # The fill takes every pack: neither eq. 4-9, the sensitivity order nor the leakage check can
+        # change the mask, so none of them runs here (the device counts leaky rows after sending,
+        # :func:`leak_count`).
+        full = np.ones(n_packs, dtype=bool)
+        deferred = float(config.get("mask_leak_db", 0.0)) > 0 and samples is not None
+        seconds = {"sensitivity_s": 0.0, "mask_s": time.perf_counter() - t0}
+        return MaskChoice(full, 1.0, 1.0, seconds, leak_deferred=deferred)
     extra: dict[str, float] = {}
     sens = sensitivity(str(config.get("metric", "wg")), weights=weights, gradients=gradients, seed=seed)
     t1 = time.perf_counter()
-    budget = float(config.get("budget", 0.1))
     gave_way: str | None = None
     if mode == "topk":
         packs = pack_sensitivity(sens, pack_size)
@@ -234,11 +244,8 @@ def choose_mask(
         )
         hint = config.get("mask_consensus")
         prefer = decode_pack_mask(str(hint), n_packs) if hint else None
-        if config.get("mask_fill") and budget >= 1.0:
-            mask = np.ones(n_packs, dtype=bool)  # the fill takes every pack: eq. 4-9 cannot change that
-        else:
-            res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
-            mask, gave_way = res.mask, res.gave_way
+        res = solve_mask(sens, budget, cfg, update=update, prefer=prefer)
+        mask, gave_way = res.mask, res.gave_way
         leak_db = float(config.get("mask_leak_db", 0.0))
         if leak_db > 0 and samples is not None:
             shapes = [tuple(np.shape(w)) for w in weights]
@@ -260,6 +267,25 @@ def choose_mask(
     return MaskChoice(
         mask, float(hidden.mean()), covered, {"sensitivity_s": t1 - t0, "mask_s": t2 - t1}, gave_way, extra
     )
+
+
+def leak_count(
+    config: Mapping[str, Any],
+    shapes: Sequence[tuple[int, ...]],
+    update: np.ndarray,
+    samples: np.ndarray | None,
+    pack_size: int,
+) -> dict[str, float]:
+    """The leakage counts of an update whose every pack went encrypted (``leak_rows``: first-layer rows that
+    hold a local sample, :mod:`fedsdk.leakage`; ``leak_packs`` 0: none had to be added). Empty when the task
+    asks for no check or there are no samples. The device runs it after sending, off the round's critical
+    path, and reports the counts with the round."""
+    leak_db = float(config.get("mask_leak_db", 0.0))
+    if leak_db <= 0 or samples is None:
+        return {}
+    _, leaky = leak_packs(shapes, update, samples, threshold_db=leak_db, pack_size=pack_size)
+    return {"leak_rows": float(leaky), "leak_packs": 0.0}
+
 
 
 # -- wire conversions ------------------------------------------------------------------------------

@@ -674,9 +674,12 @@ def test_choose_mask_fills_to_the_budget_under_the_fedsdk_strategy() -> None:
             assert filled.mask.all()
 
 
-def test_a_full_fill_skips_the_solver_and_keeps_the_leakage_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At α = 1 under the fill every pack is encrypted whatever eq. 4-9 choose, so the solver is not run
-    (it cost a slow device more than its whole encryption); the device's leakage count is still reported."""
+def test_a_full_fill_runs_nothing_before_sending_and_leaves_the_leakage_count_for_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At α = 1 under the fill every pack is encrypted whatever eq. 4-9, the sensitivity order or the leakage
+    check would choose, so none of them runs before the update is sent (on a slow device they cost more than
+    its whole encryption); the leakage count is left to ``leak_count``, which the device runs after sending."""
     import fedsdk.pipeline as pipeline
 
     rng = np.random.default_rng(6)
@@ -684,15 +687,24 @@ def test_a_full_fill_skips_the_solver_and_keeps_the_leakage_count(monkeypatch: p
     weights = [rng.normal(size=s) for s in shapes]
     update = np.concatenate([rng.normal(scale=0.01, size=int(np.prod(s))) for s in shapes])
     samples = rng.random((5, 16))
+    update[:16] = 0.2 * samples[2] - 0.1  # first-layer row 0 is a copy of a sample: the check flags it
     kw = {"weights": weights, "gradients": weights, "update": update, "pack_size": 4, "samples": samples}
     cfg = {"mask": "solver", "budget": 1.0, "mask_fill": True, "mask_leak_db": 25.0}
 
-    def no_solver(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the solver ran although the fill encrypts everything")
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ran although the fill encrypts everything")
 
-    monkeypatch.setattr(pipeline, "solve_mask", no_solver)
+    for name in ("solve_mask", "leak_packs", "sensitivity"):
+        monkeypatch.setattr(pipeline, name, must_not_run)
     full = pipeline.choose_mask(cfg, **kw)
     assert full.mask.all() and full.ratio == 1.0 and full.covered == 1.0 and full.gave_way is None
-    assert full.counts["leak_rows"] >= 0 and full.counts["leak_packs"] == 0
-    with pytest.raises(AssertionError, match="solver ran"):
+    assert full.leak_deferred and not full.counts
+    assert not pipeline.choose_mask({**cfg, "mask_leak_db": 0.0}, **kw).leak_deferred
+    with pytest.raises(AssertionError, match="ran although"):
         pipeline.choose_mask({**cfg, "budget": 0.99}, **kw)
+    monkeypatch.undo()
+    counted = pipeline.leak_count(cfg, shapes, update, samples, 4)
+    assert counted == {"leak_rows": 1.0, "leak_packs": 0.0}
+    assert pipeline.leak_count({**cfg, "mask_leak_db": 0.0}, shapes, update, samples, 4) == {}
+    below = pipeline.choose_mask({**cfg, "budget": 0.99}, **kw)  # below 1 the check runs before sending
+    assert below.counts["leak_rows"] == 1.0 and not below.leak_deferred

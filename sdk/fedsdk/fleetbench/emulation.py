@@ -272,6 +272,10 @@ class EmulatedClient(FedClient):
         record.update(emu_other_s=parts["emu_other_s"], emu_overrun_s=step.overrun_s)
         return msg, record
 
+    def _leak_count(self, task: Any, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
+        with self.dilation.step("leak"):
+            return super()._leak_count(task, shapes, flat)
+
     def _decrypt_packs(self, round_id: int, agg: Any, ranks: list[int]) -> list[Any]:
         with self.dilation.step("decrypt") as step:
             out = super()._decrypt_packs(round_id, agg, ranks)
