@@ -49,7 +49,7 @@ from fedsdk import pipeline
 from fedsdk._chunking import MAX_MESSAGE_BYTES
 from fedsdk.coop import part_ranks
 from fedsdk.crypto import HEBackend, aggregate_contributions
-from fedsdk.errors import ConfigError, CryptoError, FedError, StateError, ValidationError
+from fedsdk.errors import ConfigError, CryptoError, EncodingError, FedError, StateError, ValidationError
 from fedsdk.masking import floor_packs, parse_floors
 from fedsdk.model import GraphBundle, OnnxModel
 from fedsdk.protocol import (
@@ -176,6 +176,7 @@ class _RoundState:
     collecting: bool = True  # still taking replies (False once aggregation starts)
     union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
     shares: dict[str, tuple[float, float]] = field(default_factory=dict)  # cooperative decryption (coop.py)
+    weight_unit: int = 1  # samples per unit of FedAvg weight under HE (FixedPoint.weight_unit)
     shared: set[str] = field(default_factory=set)  # devices whose decryption share was taken
     share_expect: set[str] = field(default_factory=set)  # devices with a non-empty part of the union
     share_buffer: list[DecryptShare] = field(default_factory=list)  # shares held for the bundle (coop.py)
@@ -210,10 +211,28 @@ class _RoundState:
     def restored(cls, stored: StoredRound, phase: str = "train") -> _RoundState:
         p = stored.plan
         rnd = cls(p.round_id, p.cluster_id, set(p.participants), time.monotonic(), dict(p.budgets), phase)
+        rnd.weight_unit = p.weight_unit
         for cid, (msg, env) in stored.replies.items():
             rnd.replies[cid], rnd.raw[cid] = msg, env
         rnd.check_done()
         return rnd
+
+
+def _within_total_weight(ordered: list[Any], limit: int, rnd: _RoundState) -> list[Any]:
+    """The updates whose weights fit one aggregate's slots (Σ w ≤ ``limit``), in order. The round's weight
+    unit keeps them within it unless devices announced fewer samples than they trained on; those that do not
+    fit are left out of the aggregate (an exact sum of the rest rather than a failed round)."""
+    kept, total = [], 0
+    for u in ordered:
+        if total + int(u.weight) > limit:
+            log.warning(
+                "round %d cluster %d: update of %s left out: weights would sum past %d (unit %d)",
+                rnd.round_id, rnd.cluster_id, u.client_id, limit, rnd.weight_unit,
+            )  # fmt: skip
+            continue
+        kept.append(u)
+        total += int(u.weight)
+    return kept
 
 
 @dataclass
@@ -638,7 +657,7 @@ class RoundEngine:
                 msg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, shapes=self.shapes, sender=client_id
             )
         elif isinstance(msg, EncryptedUpdate):
-            self._check_encrypted(msg)
+            self._check_encrypted(msg, rnd.weight_unit)
         status = f"error:{msg.code}" if isinstance(msg, Error) else "update"
         metrics: dict[str, Any] = {"reason": msg.reason} if isinstance(msg, Error) else dict(msg.metrics)
         metrics["reply_s"] = time.monotonic() - rnd.sent_at
@@ -683,7 +702,7 @@ class RoundEngine:
             msg.reason,
         )
 
-    def _check_encrypted(self, msg: EncryptedUpdate) -> None:
+    def _check_encrypted(self, msg: EncryptedUpdate, unit: int) -> None:
         he = self.he
         if he is None:
             raise ValidationError("wrong_kind", "an encrypted update in a plaintext federation")
@@ -695,8 +714,10 @@ class RoundEngine:
             raise ValidationError("wrong_key", "ciphertexts under another key")
         if msg.n_values != self.n_values or msg.pack_mask.size != he.num_packs(self.n_values):
             raise ValidationError("wrong_shape", f"{msg.n_values} values, the model has {self.n_values}")
-        if msg.weight != msg.num_samples:
-            raise ValidationError("bad_field", "the FedAvg weight must be the sample count")
+        if msg.weight != he.fixed.quantise_weight(msg.num_samples, unit):
+            raise ValidationError(
+                "bad_field", f"the FedAvg weight must be the sample count in units of {unit} samples"
+            )
         # The contents too, on receipt: a weight past the slot headroom, an encoded plaintext slot out of
         # range or a ciphertext >= n^2 would otherwise only fail at aggregation, taking the honest devices'
         # round down with it. Checking needs the public key only.
@@ -854,6 +875,8 @@ class RoundEngine:
         if phase == "train" and cluster_id in self._consensus:
             config["mask_consensus"] = self._consensus[cluster_id]
         rnd = self._rounds.get(cluster_id)
+        if phase == "train" and rnd is not None and rnd.round_id == round_id and rnd.weight_unit > 1:
+            config["weight_unit"] = rnd.weight_unit
         if phase == "train" and rnd is not None and rnd.round_id == round_id and client_id in rnd.shares:
             config["share_lo"], config["share_hi"] = rnd.shares[client_id]
             config["share_wait_s"] = c.share_wait_s
@@ -1058,13 +1081,31 @@ class RoundEngine:
         for k, members in sorted(groups.items()):
             shares = self._shares(members)
             budgets = self._budgets(members, k, shares)
-            rounds.append(_RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares))
+            unit = self._weight_unit(members)
+            rounds.append(
+                _RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit)
+            )
         self.store.plan_round(
-            [RoundPlan(r.round_id, r.cluster_id, tuple(sorted(r.participants)), r.budgets) for r in rounds]
+            [
+                RoundPlan(r.round_id, r.cluster_id, tuple(sorted(r.participants)), r.budgets, r.weight_unit)
+                for r in rounds
+            ]
         )
         for r in rounds:
             self._rounds[r.cluster_id] = r
         return rounds
+
+    def _weight_unit(self, members: list[str]) -> int:
+        """Samples per unit of FedAvg weight for a round of ``members`` under HE, from the sample counts of
+        their hellos, so that their weights fit the slots (``FixedPoint.weight_unit``); 1 in plaintext."""
+        if self.he is None:
+            return 1
+        counts = {r.client_id: r.num_samples for r in self.store.clients()}
+        try:
+            return self.he.fixed.weight_unit([counts.get(cid, 1) for cid in members])
+        except EncodingError as exc:  # more devices than the slots allow: aggregation will say so
+            log.error("%s", exc)
+            return 1
 
     async def _end(self, state: str, detail: str = "") -> None:
         self.detail = detail
@@ -1236,7 +1277,7 @@ class RoundEngine:
             reached("aggregate_published", rnd.round_id)
             return metrics, result.num_clients, result.total_samples
         he = self.he
-        ordered = sorted(valid, key=lambda u: u.client_id)
+        ordered = _within_total_weight(sorted(valid, key=lambda u: u.client_id), he.fixed.max_total, rnd)
         contributions = [pipeline.contribution_from_message(u) for u in ordered]
         t0 = time.perf_counter()
         he_agg = await loop.run_in_executor(

@@ -93,6 +93,7 @@ CREATE TABLE IF NOT EXISTS round_plan (
     cluster_id INTEGER NOT NULL,
     participants TEXT NOT NULL,
     budgets TEXT NOT NULL,
+    weight_unit INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (round_id, cluster_id)
 );
 CREATE TABLE IF NOT EXISTS replies (
@@ -146,6 +147,7 @@ class RoundPlan:
     cluster_id: int
     participants: tuple[str, ...]
     budgets: Mapping[str, float]
+    weight_unit: int = 1  # samples per unit of FedAvg weight under HE (FixedPoint.weight_unit)
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(round_plan)")}
+        if "weight_unit" not in columns:  # a store written before the weight unit: every unit was 1
+            self._db.execute("ALTER TABLE round_plan ADD COLUMN weight_unit INTEGER NOT NULL DEFAULT 1")
 
     def __enter__(self) -> Store:
         return self
@@ -328,13 +333,14 @@ class Store:
         with self._tx() as db:
             for p in plans:
                 db.execute(
-                    "INSERT OR REPLACE INTO round_plan(round_id, cluster_id, participants, budgets) "
-                    "VALUES (?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO round_plan(round_id, cluster_id, participants, budgets, "
+                    "weight_unit) VALUES (?, ?, ?, ?, ?)",
                     (
                         p.round_id,
                         p.cluster_id,
                         json.dumps(sorted(p.participants)),
                         json.dumps({c: float(b) for c, b in p.budgets.items()}, sort_keys=True),
+                        int(p.weight_unit),
                     ),
                 )
                 if p.round_id > 0:  # the sketch round (0) is not a training round: no rounds row
@@ -346,10 +352,14 @@ class Store:
 
     def round_plans(self, round_id: int) -> list[RoundPlan]:
         rows = self.db.execute(
-            "SELECT cluster_id, participants, budgets FROM round_plan WHERE round_id=? ORDER BY cluster_id",
+            "SELECT cluster_id, participants, budgets, weight_unit FROM round_plan WHERE round_id=? "
+            "ORDER BY cluster_id",
             (round_id,),
         ).fetchall()
-        return [RoundPlan(round_id, int(r[0]), tuple(json.loads(r[1])), dict(json.loads(r[2]))) for r in rows]
+        return [
+            RoundPlan(round_id, int(r[0]), tuple(json.loads(r[1])), dict(json.loads(r[2])), int(r[3]))
+            for r in rows
+        ]
 
     def round_state(self, round_id: int, cluster_id: int) -> str | None:
         row = self.db.execute(

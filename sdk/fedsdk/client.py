@@ -154,7 +154,9 @@ class _Pending:
     upload_s: float = 0.0
     book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
     applying: bool = False  # its aggregate is being applied
-    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = None  # shapes and update, counted after sending
+    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = (
+        None  # shapes and update, counted after sending
+    )
     leak: asyncio.Future[dict[str, float]] | None = None  # the count, for the round's report
 
 
@@ -171,6 +173,14 @@ class _Answer:
     def answers(self, task: Task, phase: str) -> bool:
         """Is ``task`` the task this reply answered (same round, cluster and phase; any epoch)?"""
         return (self.round_id, self.cluster_id, self.phase) == (task.round_id, task.cluster_id, phase)
+
+
+def _weight_unit(config: Mapping[str, Any]) -> int:
+    """Samples per unit of FedAvg weight in this round (``FixedPoint.weight_unit``; 1 when not given)."""
+    unit = config.get("weight_unit", 1)
+    if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
+        raise ValidationError("bad_field", f"weight_unit must be a positive integer, got {unit!r}")
+    return unit
 
 
 def _dims(text: object) -> tuple[int, ...]:
@@ -722,7 +732,8 @@ class FedClient:
         audit = self._check_own_update(task, base, flat, hidden)
         metrics.update(audit)
         record.update(audit)
-        contribution, enc = pipeline.protect(self._he, flat, result.num_samples, choice.mask)
+        weight = self._he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
+        contribution, enc = pipeline.protect(self._he, flat, weight, choice.mask)
         metrics.update(choice.seconds)
         metrics.update(choice.counts)
         metrics.update(enc)
@@ -742,9 +753,7 @@ class FedClient:
         )
         return msg, record
 
-    def _leak_count(
-        self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray
-    ) -> dict[str, float]:
+    def _leak_count(self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
         """The leakage counts of an update sent whole under encryption (:func:`pipeline.leak_count`)."""
         samples = self._local_xy(task)[0] if self._data is not None else None
         assert self._he is not None

@@ -287,7 +287,6 @@ def leak_count(
     return {"leak_rows": float(leaky), "leak_packs": 0.0}
 
 
-
 # -- wire conversions ------------------------------------------------------------------------------
 def message_from_contribution(
     c: Contribution,

@@ -679,7 +679,8 @@ def test_a_full_fill_runs_nothing_before_sending_and_leaves_the_leakage_count_fo
 ) -> None:
     """At α = 1 under the fill every pack is encrypted whatever eq. 4-9, the sensitivity order or the leakage
     check would choose, so none of them runs before the update is sent (on a slow device they cost more than
-    its whole encryption); the leakage count is left to ``leak_count``, which the device runs after sending."""
+    its whole encryption); the leakage count is left to ``leak_count``, which the device runs after
+    sending."""
     import fedsdk.pipeline as pipeline
 
     rng = np.random.default_rng(6)

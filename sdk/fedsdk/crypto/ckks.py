@@ -4,8 +4,8 @@ Parameters follow FedPHE (§IV-A: TenSEAL, poly modulus degree 8192). Decision (
 modulus is (60, 40, 60) bits with scale 2**40 instead of TenSEAL's tutorial (60, 40, 40, 60): aggregation
 only adds, so no rescaling level is ever consumed, and dropping the unused level shrinks a ciphertext from
 about 331 KB to about 235 KB (57 bytes per value at 4096 values). Values keep ``100 − 40 − 1 = 59`` bits of
-integer range, far above the largest weighted sum ``D_max·W_max·R``; the backend refuses a configuration
-where that sum would not fit.
+integer range, far above the largest weighted sum ``T·R`` (T the total weight bound, :class:`FixedPoint`);
+the backend refuses a configuration where that sum would not fit.
 
 The device weights on the device (``w·x_c`` in float64, FedPHE eq. 7 with integer weights), CKKS-encrypts
 the masked packs and sends the other packs as float64. The coordinator gets a *public* context (no
@@ -96,10 +96,10 @@ class CKKSBackend(HEBackend):
             raise ConfigError(f"pack_size must be in [1, {self.poly_modulus_degree // 2}], got {pack_size}")
         self._pack_size = int(pack_size)
         headroom = data_bits - self.scale_bits - 2
-        largest = self.fixed.max_devices * self.fixed.max_weight * self.fixed.clip
+        largest = self.fixed.max_total * self.fixed.clip
         if largest >= 2.0**headroom:
             raise EncodingError(
-                f"largest weighted sum D_max·W_max·R = {largest:g} needs more than the {headroom} "
+                f"largest weighted sum T·R = {largest:g} needs more than the {headroom} "
                 "integer bits left by this coefficient modulus and scale: it could overflow"
             )
         self._ts = ts
@@ -148,7 +148,9 @@ class CKKSBackend(HEBackend):
             ctx = ts.context_from(raw)
         except (ValueError, RuntimeError) as exc:
             raise CryptoError(f"cannot load CKKS context: {exc}") from exc
-        backend = cls(ctx, FixedPoint(**p), pack_size=pack_size, scale_bits=scale_bits, public_context=None)
+        backend = cls(
+            ctx, FixedPoint.from_params(p), pack_size=pack_size, scale_bits=scale_bits, public_context=None
+        )
         if backend._public != pub_raw:
             raise KeyMismatchError("the CKKS secret context does not belong to the given public context")
         if expect_degree is not None and int(expect_degree) != backend.poly_modulus_degree:
@@ -169,6 +171,7 @@ class CKKSBackend(HEBackend):
             "clip": f.clip,
             "max_weight": f.max_weight,
             "max_devices": f.max_devices,
+            "max_total_weight": f.max_total_weight,
             "pack_size": self._pack_size,
             "scale_bits": self.scale_bits,
             "poly_modulus_degree": self.poly_modulus_degree,

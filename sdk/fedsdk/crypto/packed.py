@@ -8,18 +8,21 @@ each value is clipped to [-R, R], quantised to ``q = rint(x·2**f)``, offset to 
 Headroom bound (checked when the backend is built; a configuration that fails it is refused with
 :class:`EncodingError`)::
 
-    D_max · W_max · U  <  2**s           (no slot sum can carry into the next slot)
-    k · s              <= |n| - 1         (so m, and every sum of m's, stays below n: no wrap mod n)
+    T · U   <  2**s           (no slot sum can carry into the next slot; T bounds Σ w_i)
+    k · s   <= |n| - 1         (so m, and every sum of m's, stays below n: no wrap mod n)
 
-With both, the sum over at most D_max devices of weight at most W_max is exact slot by slot, for any mix
-of ciphertexts and plaintexts. ``s`` defaults to the smallest width that satisfies the first line
+With both, the sum over devices whose weights add up to at most T is exact slot by slot, for any mix of
+ciphertexts and plaintexts. ``s`` defaults to the smallest width that satisfies the first line
 (:attr:`FixedPoint.required_slot_bits`); it may be set larger, never smaller. The coordinator refuses
-groups larger than D_max, weights above W_max and plaintext slots above ``w·U``.
+groups larger than D_max, weights above their bound and plaintext slots above ``w·U``, and keeps the weights
+of a round within T by the weight unit it sends with the task (:meth:`FixedPoint.weight_unit`).
 
 Decoding: ``x̄_j = (S_j − O·W) / (2**f · W)`` with ``S_j`` the slot sum and ``W = Σ w_i`` the public total
 weight; its error against exact weighted FedAvg of the clipped values is at most ``2**-(f+1)``
-(:attr:`quantisation_bound`). With the defaults (R=0.5, f=13, W_max=65535, D_max=1024) s = 39, so a
-2048-bit key carries k = 52 values in one 512-byte ciphertext: 9.85 bytes per value.
+(:attr:`quantisation_bound`). With the defaults (R=0.5, f=13, T=8191) s = 26, so a 2048-bit key carries
+k = 78 values in one 512-byte ciphertext (6.6 bytes per value) and a 3072-bit key 118 in 768 bytes. Keys
+made before T (``max_total_weight`` absent from their parameters) keep T = D_max·W_max = 1024·65535:
+s = 39, k = 52, 9.85 bytes per value.
 
 Encryption is ``Enc(m) = (1 + n·m)·r^n mod n²`` with ``r^n`` from the obfuscator pool, the parallel process
 pool or computed inline (CRT when the secret primes are present), see :mod:`fedsdk.crypto.obfuscator`.
@@ -66,7 +69,7 @@ class PackedPaillierBackend(PaillierFamily):
         s = need if slot_bits is None else int(slot_bits)
         if s < need:
             raise EncodingError(
-                f"slot_bits={s} could overflow: D_max·W_max·U = {self.fixed.max_slot_sum} needs {need} bits"
+                f"slot_bits={s} could overflow: T·U = {self.fixed.max_slot_sum} needs {need} bits"
             )
         if s > MAX_SLOT_BITS:
             raise EncodingError(
@@ -107,7 +110,7 @@ class PackedPaillierBackend(PaillierFamily):
         slot_bits = p.pop("slot_bits", None)
         expected_slots = p.pop("slots", None)
         keys = PaillierKeys.from_bytes(public, secret, ops=IntOps(fast))
-        backend = cls(keys, FixedPoint(**p), slot_bits=slot_bits, parallel=parallel)
+        backend = cls(keys, FixedPoint.from_params(p), slot_bits=slot_bits, parallel=parallel)
         if expected_slots is not None and int(expected_slots) != backend.slots:
             raise EncodingError(f"parameters say {expected_slots} slots, this key gives {backend.slots}")
         return backend
@@ -120,6 +123,7 @@ class PackedPaillierBackend(PaillierFamily):
             "frac_bits": f.frac_bits,
             "max_weight": f.max_weight,
             "max_devices": f.max_devices,
+            "max_total_weight": f.max_total_weight,
             "slot_bits": self.slot_bits,
             "slots": self.slots,
         }

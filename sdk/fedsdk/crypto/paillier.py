@@ -61,10 +61,10 @@ class PaillierBackend(PaillierFamily):
         self.exponent = math.floor(math.log(2.0**-self.fixed.frac_bits, EncodedNumber.BASE))
         self.int_scale = EncodedNumber.BASE**-self.exponent
         self.max_rep = round(self.fixed.clip * self.int_scale)  # largest |int_rep| of one clipped value
-        limit = self.fixed.max_devices * self.fixed.max_weight * self.max_rep
+        limit = self.fixed.max_total * self.max_rep
         if limit >= min(pk.max_int, 2**63 - 1):
             raise EncodingError(
-                f"D_max·W_max·R·16^{-self.exponent} = {limit} does not fit phe's plaintext range n/3 "
+                f"T·R·16^{-self.exponent} = {limit} does not fit phe's plaintext range n/3 "
                 "or int64 plaintext sums: lower max_weight, max_devices or frac_bits"
             )
 
@@ -83,7 +83,7 @@ class PaillierBackend(PaillierFamily):
         p = dict(params)
         pack_size = int(p.pop("pack_size", 1))
         keys = PaillierKeys.from_bytes(public, secret, ops=IntOps(fast))
-        return cls(keys, FixedPoint(**p), pack_size=pack_size)
+        return cls(keys, FixedPoint.from_params(p), pack_size=pack_size)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -93,6 +93,7 @@ class PaillierBackend(PaillierFamily):
             "frac_bits": f.frac_bits,
             "max_weight": f.max_weight,
             "max_devices": f.max_devices,
+            "max_total_weight": f.max_total_weight,
             "pack_size": self._pack_size,
         }
 

@@ -12,13 +12,46 @@ from fedsdk.crypto.fixedpoint import FixedPoint, clip_values, pack_slots, unpack
 from fedsdk.errors import EncodingError
 
 
-def test_default_bounds_need_39_bit_slots() -> None:
+def test_default_bounds_need_26_bit_slots_and_old_keys_keep_39() -> None:
     f = FixedPoint()
-    assert (f.clip, f.frac_bits, f.max_weight, f.max_devices) == (0.5, 13, 65_535, 1024)
+    assert (f.clip, f.frac_bits, f.max_weight, f.max_devices, f.max_total_weight) == (
+        0.5,
+        13,
+        65_535,
+        1024,
+        8191,
+    )
     assert f.offset == 4096 and f.max_code == 8192
-    assert f.max_slot_sum == 1024 * 65_535 * 8192
-    assert f.required_slot_bits == 39
+    assert f.max_slot_sum == 8191 * 8192
+    assert f.required_slot_bits == 26
     assert f.quantisation_bound == 2.0**-14
+    old = FixedPoint.from_params({"clip": 0.5, "frac_bits": 13, "max_weight": 65_535, "max_devices": 1024})
+    assert old.max_total_weight is None and old.max_total == 1024 * 65_535
+    assert old.max_slot_sum == 1024 * 65_535 * 8192 and old.required_slot_bits == 39
+
+
+@given(counts=st.lists(st.integers(1, 10**9), min_size=1, max_size=1024), total=st.integers(1025, 2**20))
+def test_a_rounds_weights_in_its_unit_fit_the_bounds(counts: list[int], total: int) -> None:
+    f = FixedPoint(max_total_weight=total)
+    unit = f.weight_unit(counts)
+    weights = [f.quantise_weight(n, unit) for n in counts]
+    assert sum(weights) <= total and 1 <= min(weights) and max(weights) <= f.max_weight
+    assert f.check_group(weights) == sum(weights)
+    if unit > 1:  # the unit is the smallest that fits: one less would not guarantee it
+        assert sum(counts) > (unit - 1) * (total - len(counts)) or max(counts) > (unit - 1) * f.max_weight
+    else:
+        assert weights == counts  # unit 1: the weights are the sample counts, FedAvg is exact
+
+
+def test_weights_past_the_total_are_refused() -> None:
+    f = FixedPoint(max_total_weight=2000)
+    with pytest.raises(EncodingError, match="sum to 2001"):
+        f.check_group([1000, 1001])
+    with pytest.raises(EncodingError):
+        f.check_weight(2001)
+    with pytest.raises(Exception, match="above max_devices"):
+        FixedPoint(max_devices=1024, max_total_weight=1024)
+    assert FixedPoint.quantise_weight(3000, 8) == 375 and FixedPoint.quantise_weight(3, 8) == 1
 
 
 @given(

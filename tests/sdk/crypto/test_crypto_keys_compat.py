@@ -45,15 +45,15 @@ def packed(keys: PaillierKeys) -> Iterator[PackedPaillierBackend]:
     b.close()
 
 
-def test_default_backend_is_packed_2048_with_under_10_bytes_per_value() -> None:
+def test_default_backend_is_packed_2048_with_under_7_bytes_per_value() -> None:
     with generate_backend() as b:
         assert b.name == DEFAULT_BACKEND == "packed"
         assert isinstance(b, PackedPaillierBackend)
         assert b.keys.key_bits == 2048
-        assert (b.slot_bits, b.slots, b.ciphertext_nbytes) == (39, 52, 512)
-        x = np.linspace(-1, 1, 20 * 52)  # 20 full packs
+        assert (b.slot_bits, b.slots, b.ciphertext_nbytes) == (26, 78, 512)
+        x = np.linspace(-1, 1, 20 * 78)  # 20 full packs
         _, report = b.encrypt_update(x, 7)
-        assert report.ciphertext_bytes / x.size == 512 / 52 < 10.0
+        assert report.ciphertext_bytes / x.size == 512 / 78 < 7.0
         assert report.clipped == np.count_nonzero(np.abs(x) > 0.5) > 0
 
 

@@ -167,12 +167,12 @@ def test_slot_configuration_that_could_overflow_is_refused(keys: tuple[PaillierK
     wider = PackedPaillierBackend(keys[0], FIXED, slot_bits=need + 3, parallel=False)
     assert wider.slot_bits == need + 3
     with pytest.raises(EncodingError):  # more than 63 bits per slot
-        PackedPaillierBackend(keys[0], FixedPoint(frac_bits=40, max_weight=2**20), parallel=False)
+        PackedPaillierBackend(keys[0], FixedPoint(frac_bits=40, max_total_weight=2**30), parallel=False)
     with pytest.raises(EncodingError):  # per-value phe: int64 plaintext sums could overflow
-        PaillierBackend(keys[0], FixedPoint(frac_bits=48, max_weight=2**20, max_devices=2**10))
+        PaillierBackend(keys[0], FixedPoint(frac_bits=48, max_total_weight=2**30))
     with pytest.raises(EncodingError):  # CKKS: the weighted sum does not fit above the scale
         CKKSBackend.generate(
-            poly_modulus_degree=4096, coeff_mod_bit_sizes=(60, 49), clip=1.0, max_weight=2**20
+            poly_modulus_degree=4096, coeff_mod_bit_sizes=(60, 49), clip=1.0, max_total_weight=2**30
         )
 
 

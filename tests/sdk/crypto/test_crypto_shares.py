@@ -30,7 +30,9 @@ from fedsdk.errors import CiphertextError, CryptoError
 from fedsdk_coordinator.coop import share_split
 
 CLIP = 0.5
-FIXED = FixedPoint(clip=CLIP, frac_bits=13, max_weight=1000, max_devices=64)
+FIXED = FixedPoint(
+    clip=CLIP, frac_bits=13, max_weight=1000, max_devices=64, max_total_weight=None
+)  # 29-bit slots
 PROPERTY = settings(
     deadline=None, max_examples=20, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )

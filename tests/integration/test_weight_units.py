@@ -1,0 +1,79 @@
+"""FedAvg weights in units, end to end (mosquitto, the coordinator application, FedClients with packed
+Paillier): when a round's devices hold more samples than the key's total weight bound T leaves room for, the
+coordinator picks a unit, the task carries it, each device weighs its update by its sample count in that unit,
+the coordinator checks the weights and the encrypted aggregate decrypts to FedAvg under those weights."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from brokers import require_mosquitto, start_mosquitto
+from fedsdk.client import FedClient
+from fedsdk.crypto import generate_backend
+from fedsdk.hekeys import load_he, save_he
+from fedsdk.model.data import load_digits, partition_iid
+from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
+from fedsdk_coordinator.app import ENGINE
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_mosquitto() -> None:
+    require_mosquitto()
+
+
+async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_path: Path) -> None:
+    total = 700  # the key's T: three devices of ~479 samples hold twice as many
+    with generate_backend("packed", key_bits=1024, max_devices=16, max_total_weight=total) as he:
+        public = save_he(tmp_path / "he-public", he, include_secret=False)
+        secret = save_he(tmp_path / "he-device", he, include_secret=True)
+        fixed = he.fixed  # type: ignore[attr-defined]
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, 3, seed=0)
+    counts = [len(idx) for idx in part.indices]
+    unit = fixed.weight_unit(counts)
+    assert unit == 3 and sum(counts) > total, counts  # the bound binds: weights cannot be the sample counts
+    rounds = RoundConfig(
+        federation=f"wu{secrets.token_hex(3)}", rounds=2, min_clients=3, start_clients=3, strategy="fedsdk",
+        clustering=False, farewell_s=5.0,
+    )  # fmt: skip
+    with start_mosquitto(tmp_path / "mosq") as broker:
+        config = CoordinatorConfig(
+            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
+            he_dir=public,
+        )  # fmt: skip
+        async with TestClient(TestServer(create_app(config))) as http:
+            engine = http.app[ENGINE]
+            clients = [
+                FedClient(
+                    broker.url,
+                    client_id=f"d{i}",
+                    federation=rounds.federation,
+                    insecure=True,
+                    probe_bytes=0,
+                    data=(digits.x_train[idx], digits.y_train[idx]),
+                    eval_data=(digits.x_test, digits.y_test),
+                    he=load_he(secret),
+                )
+                for i, idx in enumerate(part.indices)
+            ]
+            async with clients[0], clients[1], clients[2]:
+                summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
+            plans = engine.store.round_plans(1)
+            replies = {cid: engine._rounds[0].replies.get(cid) for cid in ("d0", "d1", "d2")}
+    assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
+    assert [p.weight_unit for p in plans] == [unit]  # planned and persisted with the round
+    weights = {cid: msg.weight for cid, msg in replies.items() if msg is not None}
+    assert weights == {f"d{i}": fixed.quantise_weight(n, unit) for i, n in enumerate(counts)}
+    assert sum(weights.values()) <= total
+    # every device decrypted the same aggregate: FedAvg under the unit weights, within the quantisation bound
+    for a, b in zip(clients[0].weights or [], clients[1].weights or [], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert max(summaries[0].accuracy.values()) > 0.8
