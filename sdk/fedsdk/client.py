@@ -154,9 +154,8 @@ class _Pending:
     upload_s: float = 0.0
     book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
     applying: bool = False  # its aggregate is being applied
-    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = (
-        None  # shapes and update, counted after sending
-    )
+    # the shapes and the update whose leakage count runs after sending (every pack encrypted)
+    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = None
     leak: asyncio.Future[dict[str, float]] | None = None  # the count, for the round's report
 
 
