@@ -1078,10 +1078,11 @@ class RoundEngine:
             groups.setdefault(self.clusters.get(cid, 0), []).append(cid)
         now = time.monotonic()
         rounds = []
+        samples = {r.client_id: r.num_samples for r in self.store.clients()} if self.he is not None else {}
         for k, members in sorted(groups.items()):
             shares = self._shares(members)
             budgets = self._budgets(members, k, shares)
-            unit = self._weight_unit(members)
+            unit = self._weight_unit([samples.get(cid, 1) for cid in members])
             rounds.append(
                 _RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit)
             )
@@ -1095,14 +1096,13 @@ class RoundEngine:
             self._rounds[r.cluster_id] = r
         return rounds
 
-    def _weight_unit(self, members: list[str]) -> int:
-        """Samples per unit of FedAvg weight for a round of ``members`` under HE, from the sample counts of
-        their hellos, so that their weights fit the slots (``FixedPoint.weight_unit``); 1 in plaintext."""
+    def _weight_unit(self, counts: list[int]) -> int:
+        """Samples per unit of FedAvg weight for a round of devices with these sample counts (their hellos')
+        under HE, so that their weights fit the slots (``FixedPoint.weight_unit``); 1 in plaintext."""
         if self.he is None:
             return 1
-        counts = {r.client_id: r.num_samples for r in self.store.clients()}
         try:
-            return self.he.fixed.weight_unit([counts.get(cid, 1) for cid in members])
+            return self.he.fixed.weight_unit(counts)
         except EncodingError as exc:  # more devices than the slots allow: aggregation will say so
             log.error("%s", exc)
             return 1

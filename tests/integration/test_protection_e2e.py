@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import require_mosquitto, start_mosquitto
-from fedsdk.client import FedClient
+from engines import device
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model.data import load_digits, partition_label_skew
@@ -49,14 +49,8 @@ async def test_devices_check_their_rows_hold_the_cap_and_noise_the_clear_part(tm
         async with TestClient(TestServer(create_app(config))) as http:
             engine = http.app[ENGINE]
             clients = [
-                FedClient(
-                    broker.url,
-                    client_id=f"d{i}",
-                    federation=rounds.federation,
-                    insecure=True,
-                    probe_bytes=0,
-                    data=(digits.x_train[idx], digits.y_train[idx]),
-                    he=load_he(secret),
+                device(
+                    broker, engine, f"d{i}", (digits.x_train[idx], digits.y_train[idx]), he=load_he(secret)
                 )
                 for i, idx in enumerate(part.indices)
             ]

@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import require_mosquitto, start_mosquitto
-from fedsdk.client import FedClient
+from engines import device
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model.data import load_digits, partition_iid
@@ -52,13 +52,11 @@ async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_p
         async with TestClient(TestServer(create_app(config))) as http:
             engine = http.app[ENGINE]
             clients = [
-                FedClient(
-                    broker.url,
-                    client_id=f"d{i}",
-                    federation=rounds.federation,
-                    insecure=True,
-                    probe_bytes=0,
-                    data=(digits.x_train[idx], digits.y_train[idx]),
+                device(
+                    broker,
+                    engine,
+                    f"d{i}",
+                    (digits.x_train[idx], digits.y_train[idx]),
                     eval_data=(digits.x_test, digits.y_test),
                     he=load_he(secret),
                 )
