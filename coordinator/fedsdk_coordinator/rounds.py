@@ -4,8 +4,8 @@ Phases: ``waiting`` (fewer than ``start_clients`` devices online) -> the *sketch
 the strategy clusters: every device sends a sensitivity sketch, the coordinator runs affinity propagation)
 -> rounds 1..R, run concurrently for every cluster: task out (with each device's budget α), replies in until
 every device answered or the deadline passed (then one more deadline of grace while the quorum is
-missing), aggregation, aggregate out, device reports in -> ``finished`` (or ``failed`` when no cluster
-can reach its quorum).
+missing; the sketch round waits the same way), aggregation, aggregate out, device reports in ->
+``finished`` (or ``failed`` when no cluster can reach its quorum).
 
 Aggregation by strategy (:mod:`fedsdk_coordinator.strategies`): plaintext FedAvg of float updates, whose
 result the coordinator evaluates itself; or the mixed ciphertext/plaintext sum of selective-HE updates
@@ -333,7 +333,9 @@ class RoundEngine:
         self._sketch_round: _RoundState | None = None
         self._joined = asyncio.Event()
         self._presence = asyncio.Event()  # set on every hello and goodbye
-        self._arrivals = 0  # hellos taken so far (a failed round runs again after a new one)
+        # hellos (and sketches that came after a failed sketch round) taken so far: a failed round runs
+        # again after a new one
+        self._arrivals = 0
         self._planned_at = 0  # ... as counted when the last round (or sketch round) was planned
         # Devices online when the previous instance stopped: the first round planned after a restart waits
         # for them (up to a deadline) instead of starting with whoever said hello first.
@@ -573,6 +575,13 @@ class RoundEngine:
             self.clusters[client_id] = k
             self.store.set_cluster(client_id, k)
             log.info("late device %s joins cluster %d", client_id, k)
+        elif client_id in self.online:
+            # The sketch round failed for want of sketches and waits to run again: a slow device's sketch
+            # is kept for the next attempt and starts it, as a device that joins would.
+            self._sketches[client_id] = vec
+            self._arrivals += 1
+            self._presence.set()
+            log.info("late sketch from %s kept for the next sketch round", client_id)
         else:
             raise ValidationError("stale_round", f"sketch from {client_id} outside the sketch round")
 
@@ -1149,7 +1158,10 @@ class RoundEngine:
             self.store.plan_round([RoundPlan(0, 0, tuple(sorted(sk.participants)), {})])
             self._sketch_round = sk
         await self._send_tasks(sk)
-        if not await _wait(sk.done, c.deadline_s):
+        for _ in range(2):  # the deadline, then one more deadline of grace if the quorum is still missing
+            if await _wait(sk.done, c.deadline_s) or len(self._sketches) >= c.min_clients:
+                break
+        if not sk.done.is_set():
             log.warning(
                 "sketch round: %d of %d sketches by the deadline", len(self._sketches), len(sk.participants)
             )

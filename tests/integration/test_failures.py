@@ -2,6 +2,8 @@
 
 * a round with no valid update (every device's training diverges) does not end the federation: the status
   says why and that it waits, the round runs again when valid devices join, and it finishes;
+* the sketch round of a clustered federation waits one more deadline while its quorum of sketches is
+  missing, and a sketch that comes after a failed sketch round is kept and starts the next attempt;
 * a device whose data has the wrong shape is refused when it joins (it says why and exits 1, the coordinator
   shows it), and no round waits for it or fails because of it;
 * a device that applied no aggregate exits 1 and prints why; the coordinator logs and counts every device
@@ -117,6 +119,33 @@ async def test_a_failed_round_runs_again_when_valid_devices_join(
         last = err.decode().strip().splitlines()[-1]
         assert "(0 updates sent)" in last and "contributed no update" in last, last
         assert "loss is not finite" in last, last
+
+
+@pytest.mark.parametrize("late_by", [1.5, 2.5], ids=["within-grace", "after-failure"])
+async def test_slow_sketches_do_not_end_a_clustered_federation(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]], late_by: float
+) -> None:
+    """Two of three devices compute their sketch in ``late_by`` deadlines (a large model on a slow device);
+    the quorum is two sketches."""
+    deadline = 2.0
+    async with coordinator(
+        tmp_path, broker, rounds=1, min_clients=2, start_clients=3, deadline_s=deadline,
+        join_timeout_s=20, clustering=True,
+    ) as (_, engine):  # fmt: skip
+        clients = [device(broker, engine, f"d{i}", shards[i]) for i in range(3)]
+        for c in clients[1:]:
+            sketch = c._sketch
+
+            def slow(*args: Any, _sketch: Any = sketch) -> Any:
+                time.sleep(late_by * deadline)
+                return _sketch(*args)
+
+            c._sketch = slow  # type: ignore[method-assign]
+        async with clients[0], clients[1], clients[2]:
+            summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 120)
+    assert engine.state == "finished", engine.detail
+    assert engine.clustering is not None and set(engine.clustering.labels) == {"d0", "d1", "d2"}
+    assert [s.applied_rounds for s in summaries] == [[1], [1], [1]]
 
 
 async def test_a_device_whose_data_does_not_fit_is_refused_when_it_joins(
