@@ -16,7 +16,7 @@ Two policies:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +24,7 @@ from fedsdk.errors import ConfigError
 
 __all__ = ["DeadlineBudget", "DeviceCapacity", "deadline_budgets", "deadline_plan", "sensecrypt_budgets"]
 
-DeadlineStatus = Literal["full", "partial", "floor", "infeasible"]
+DeadlineStatus = Literal["full", "partial", "floor", "infeasible", "whole", "capped"]
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -46,7 +46,9 @@ class DeviceCapacity:
     the warm cost of about one modular multiplication per ciphertext, measured as ``warm_values_per_s``
     (values per second with every obfuscator from the pool; ``None`` until measured);
     ``decrypt_values_per_s`` its measured decryption throughput of an aggregate (key mode ``shared``;
-    ``None`` until measured).
+    ``None`` until measured); ``select_s`` what choosing a partial mask costs the device (sensitivity, mask
+    solver and leakage check, measured in its last round with a budget below 1; 0 until measured): a budget
+    of 1 skips all three (``fedsdk.pipeline.choose_mask``).
     """
 
     client_id: str
@@ -57,6 +59,7 @@ class DeviceCapacity:
     pool_values: int = 0
     decrypt_values_per_s: float | None = None
     warm_values_per_s: float | None = None
+    select_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.client_id:
@@ -64,6 +67,7 @@ class DeviceCapacity:
         _positive("uplink_bytes_per_s", self.uplink_bytes_per_s)
         _positive("he_values_per_s", self.he_values_per_s)
         _positive("train_s", self.train_s, allow_zero=True)
+        _positive("select_s", self.select_s, allow_zero=True)
         if self.compute is not None:
             _positive("compute", self.compute)
         if self.decrypt_values_per_s is not None:
@@ -126,7 +130,10 @@ class DeadlineBudget:
     ``alpha_max`` is the largest fraction that meets the deadline before clipping to ``[floor, 1]`` (``None``
     if none does); ``predicted_s`` the modelled round time at ``alpha``; ``status``: ``"full"`` (α = 1 fits),
     ``"partial"`` (0 ≤ α < 1 fits), ``"floor"`` (the floor is above what fits: the device will be late),
-    ``"infeasible"`` (the device misses the deadline whatever it encrypts, even sending plaintext only).
+    ``"infeasible"`` (the device misses the deadline whatever it encrypts, even sending plaintext only),
+    ``"whole"`` (α = 1 although it misses the deadline: with what choosing a partial mask costs, no
+    budget below 1 makes the cluster's round shorter), ``"capped"`` (the device could send its whole update
+    in time, but the cluster's cap on the union holds it below, and choosing its mask makes it late).
     ``decrypt_s`` is the modelled decryption of the cluster's union (0 when decryption is not counted), part
     of ``predicted_s``.
     """
@@ -144,7 +151,13 @@ class DeadlineBudget:
 
 
 def _round_time(d: DeviceCapacity, k: float, n: int, p: float, c: float, warm: int, t_warm: float) -> float:
-    """train + encrypt k values (the first ``warm`` at t_warm each, the rest cold) + upload."""
+    """train + choose the mask when k < n + encrypt k values (the first ``warm`` at t_warm each, the rest
+    cold) + upload."""
+    return _send_time(d, k, n, p, c, warm, t_warm) + (d.select_s if k < n else 0.0)
+
+
+def _send_time(d: DeviceCapacity, k: float, n: int, p: float, c: float, warm: int, t_warm: float) -> float:
+    """:func:`_round_time` without the choice of the mask."""
     enc = min(k, warm) * t_warm + max(k - warm, 0.0) / d.he_values_per_s
     return d.train_s + enc + (k * c + (n - k) * p) / d.uplink_bytes_per_s
 
@@ -152,14 +165,18 @@ def _round_time(d: DeviceCapacity, k: float, n: int, p: float, c: float, warm: i
 def _max_values(
     d: DeviceCapacity, deadline: float, n: int, p: float, c: float, warm: int, t_warm: float
 ) -> float | None:
-    """Largest k ∈ [0, n] with round time ≤ deadline (``None`` if none), exactly: the time is linear in k on
-    [0, warm] and on [warm, n], so each piece is solved in closed form and the larger solution wins."""
+    """Largest k ∈ [0, n] with round time ≤ deadline (``None`` if none), exactly: k = n when it fits;
+    below n the time is ``select_s`` plus a function linear in k on [0, warm] and on [warm, n], so each
+    piece is solved in closed form and the larger solution wins."""
+    if _round_time(d, float(n), n, p, c, warm, t_warm) <= deadline:
+        return float(n)
+    deadline -= d.select_s
     best: float | None = None
     for lo, hi in ((0.0, float(warm)), (float(warm), float(n))):
         if hi < lo or (hi == lo and lo > 0):
             continue
-        f_lo = _round_time(d, lo, n, p, c, warm, t_warm)
-        f_hi = _round_time(d, hi, n, p, c, warm, t_warm)
+        f_lo = _send_time(d, lo, n, p, c, warm, t_warm)
+        f_hi = _send_time(d, hi, n, p, c, warm, t_warm)
         if f_hi <= deadline:
             k = hi
         elif f_lo <= deadline:  # f rises on this piece: solve f_lo + slope·(k − lo) = deadline
@@ -211,6 +228,13 @@ def deadline_plan(
     same for every j and the device's own term stands for the wait. Decision: the deadline is the whole
     round's, so a cluster whose slowest device has no slack gets K ≈ 0, and the mask solver's security floor
     (eq. 7) then decides what is encrypted; the plan says so instead of budgets nobody can keep.
+
+    **Choosing the mask** costs time too: a device given α < 1 computes the sensitivity, solves for its
+    mask and checks it for leaky rows (``select_s``), while α = 1 skips all three. So T(k) carries
+    ``select_s`` for every k < n, and when the cluster's slowest device would finish sooner with every device
+    at α = 1 than with the budgets (encryption from a warm pool is cheaper than the choice it spares),
+    every device gets α = 1 (status ``"whole"`` where that still misses the deadline): a budget exists to
+    shorten the round, and one that lengthens it also protects less.
     """
     _check_unique(devices)
     if n_values < 1:
@@ -282,8 +306,49 @@ def deadline_plan(
         else:
             alpha, status = alpha_max, "full" if alpha_max >= 1.0 else "partial"
         predicted = _round_time(d, alpha * n, n, p, c, warm, t_warm) + dec_s
+        if status == "partial" and predicted > deadline_s:
+            status = "capped"  # the whole update fits, but the union's cap K asks for a mask choice
         plan[d.client_id] = DeadlineBudget(d.client_id, alpha, alpha_max, predicted, status, dec_s)
-    return plan
+    return _whole_if_shorter(
+        plan,
+        devices,
+        deadline_s,
+        n,
+        union_factor,
+        share,
+        lambda d: _round_time(d, float(n), n, p, c, warm_of(d), t_warm_of(d)),
+    )
+
+
+def _whole_if_shorter(
+    plan: dict[str, DeadlineBudget],
+    devices: Sequence[DeviceCapacity],
+    deadline_s: float,
+    n: int,
+    union_factor: float | None,
+    share: Callable[[DeviceCapacity], float],
+    full_time: Callable[[DeviceCapacity], float],
+) -> dict[str, DeadlineBudget]:
+    """Every device at α = 1 when that makes the cluster's modelled round (its slowest device) strictly
+    shorter than ``plan``: a budget below 1 costs the mask choice (``select_s``), which can cost more than
+    encrypting the rest from the pool. With no measured choice cost, α = 1 is never shorter (the round
+    time grows with k), so ``plan`` stands."""
+    if all(b.alpha >= 1.0 for b in plan.values()):
+        return plan
+    whole: dict[str, DeadlineBudget] = {}
+    for d in devices:
+        dec_s = (
+            share(d) * n / d.decrypt_values_per_s
+            if union_factor is not None and d.decrypt_values_per_s
+            else 0.0
+        )
+        t = full_time(d) + dec_s
+        b = plan[d.client_id]
+        whole[d.client_id] = DeadlineBudget(
+            d.client_id, 1.0, b.alpha_max, t, "full" if t <= deadline_s else "whole", dec_s
+        )
+    slowest = max(b.predicted_s for b in plan.values())
+    return whole if max(b.predicted_s for b in whole.values()) < slowest else plan
 
 
 def deadline_budgets(

@@ -246,6 +246,7 @@ class _Measured:
     pool_values: int = 0  # values the device's obfuscator pool held when its last encryption started
     warm_values_per_s: float | None = None  # encryption throughput with every obfuscator from the pool
     decrypt_values_per_s: float | None = None  # of an aggregate's union (key mode shared), from reports
+    select_s: float | None = None  # most seen for sensitivity + mask solver + leakage check (budget < 1)
 
     def blend(self, name: str, value: float, weight: float = 0.5) -> None:
         old = getattr(self, name)
@@ -741,9 +742,16 @@ class RoundEngine:
 
     def _measure(self, client_id: str, msg: Update | EncryptedUpdate) -> None:
         m = self.measured.setdefault(client_id, _Measured())
-        train_s = msg.metrics.get("train_s")
-        if train_s:
+        train_s = msg.metrics.get("train_s", 0.0)  # finite (protocol), but a device may send anything
+        if train_s > 0:
             m.blend("train_s", train_s)
+        sensitivity_s = msg.metrics.get("sensitivity_s", 0.0)
+        if sensitivity_s > 0:  # the device chose a partial mask (a budget of 1 skips the choice)
+            # The largest seen, not a running mean: the choice's cost varies with the budget (the solver,
+            # the leakage check), and an underestimate buys budgets below 1 that lengthen the round. Once
+            # the whole update is the faster plan the device stops choosing, so the estimate stays.
+            took = sensitivity_s + max(msg.metrics.get("mask_s", 0.0), 0.0)
+            m.select_s = max(m.select_s or 0.0, took)
         enc_s = msg.metrics.get("encrypt_s", 0.0)
         if isinstance(msg, EncryptedUpdate) and self.he is not None and enc_s > 0:
             encrypted = int(msg.pack_mask.sum())
@@ -818,6 +826,7 @@ class RoundEngine:
             pool_values=m.pool_values,
             warm_values_per_s=m.warm_values_per_s,
             decrypt_values_per_s=m.decrypt_values_per_s,
+            select_s=m.select_s or 0.0,
         )
 
     # -- the loop -----------------------------------------------------------------------------

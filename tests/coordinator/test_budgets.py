@@ -327,3 +327,69 @@ def test_cooperative_decryption_counts_only_each_devices_part_by_hand() -> None:
     )
     alone = deadline_plan([fast, slow], **kw)
     assert plan["slow"].alpha > 2 * alone["slow"].alpha  # 0.70 against 0.074: the union is decrypted once
+
+
+# -- what choosing a partial mask costs ---------------------------------------------------------------
+
+
+def test_a_partial_budget_pays_for_choosing_its_mask_by_hand() -> None:
+    # n = 1000, every obfuscator in the pool at 1e-5 s, 10 B per encrypted value and 4 per clear one at
+    # 1 MB/s: T(k) = 0.904 + 1.6e-5·k, so without a choice cost k = 687 fits 0.915 s. Choosing the mask
+    # costs 0.2 s: nothing below n fits any more (1.104 s at k = 0), while the whole update takes 0.92 s,
+    # late but sooner, so the device encrypts everything.
+    kw: dict[str, Any] = dict(
+        n_values=1000, deadline_s=0.915, cipher_bytes_per_value=10, plain_bytes_per_value=4
+    )
+    base = DeviceCapacity("d", 1e6, 100.0, train_s=0.9, pool_values=1000, warm_values_per_s=1e5)
+    free = deadline_plan([base], **kw)["d"]
+    assert free.status == "partial" and free.alpha == pytest.approx(0.6875)
+    costly = deadline_plan([dataclasses.replace(base, select_s=0.2)], **kw)["d"]
+    assert costly.alpha == 1.0 and costly.status == "whole" and not costly.meets_deadline
+    assert costly.predicted_s == pytest.approx(0.92)
+    cheap = deadline_plan([dataclasses.replace(base, select_s=0.001)], **kw)["d"]
+    assert cheap.status == "partial" and cheap.alpha == pytest.approx((0.915 - 0.905) / 1.6e-5 / 1000)
+    roomy = deadline_plan([dataclasses.replace(base, select_s=0.2)], **{**kw, "deadline_s": 0.92})["d"]
+    assert roomy.alpha == 1.0 and roomy.status == "full"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 2.0),
+            st.floats(10.0, 1e5),
+            st.floats(10.0, 1e5),
+            st.floats(1e3, 1e7),
+            st.floats(0.0, 1.0),
+            st.integers(0, 600),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.floats(1.0, 4.0),
+    st.floats(0.2, 3.0),
+)
+def test_budgets_never_predict_a_longer_round_than_encrypting_everything(
+    devs: list[tuple[float, float, float, float, float, int]], factor: float, deadline: float
+) -> None:
+    devices = [
+        DeviceCapacity(
+            f"d{i}", up, enc, train_s=t, decrypt_values_per_s=dec, select_s=sel, pool_values=pool,
+            warm_values_per_s=enc * 50,
+        )
+        for i, (t, enc, dec, up, sel, pool) in enumerate(devs)
+    ]  # fmt: skip
+    n = 500
+    plan = deadline_plan(
+        devices, n_values=n, deadline_s=deadline, cipher_bytes_per_value=10, plain_bytes_per_value=4,
+        union_factor=factor,
+    )  # fmt: skip
+    whole = deadline_plan(
+        [dataclasses.replace(d, select_s=0.0) for d in devices], n_values=n, deadline_s=1e9,
+        cipher_bytes_per_value=10, plain_bytes_per_value=4, union_factor=factor,
+    )  # fmt: skip
+    assert all(b.alpha == 1.0 for b in whole.values())
+    slowest = max(b.predicted_s for b in plan.values())
+    assert slowest <= max(b.predicted_s for b in whole.values()) * (1 + 1e-9)
+    for b in plan.values():
+        assert b.predicted_s <= deadline * (1 + 1e-9) or not b.meets_deadline

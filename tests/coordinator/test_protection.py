@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engines import make_engine
@@ -82,3 +83,28 @@ def test_noise_on_the_clear_part_is_asked_for_and_refused_where_nothing_is_clear
             make_engine(tmp_path / strategy, he, strategy=strategy, mask_noise=0.05)
     with pytest.raises(ConfigError, match="mask_clip"):
         make_engine(tmp_path / "c", public["packed"], strategy="fedsdk", mask_noise=0.05, mask_clip=0.0)
+
+
+def test_a_measured_mask_choice_that_costs_more_than_it_saves_gives_every_device_the_whole_update(
+    tmp_path: Path, public: dict[str, HEBackend]
+) -> None:
+    from fedsdk.protocol import Update
+    from fedsdk_coordinator.rounds import _Measured
+
+    members = ["d0", "d1"]
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, target_round_s=1.0)
+    for cid in members:  # cold encryption of the whole update takes 1.1 s: it does not fit the 1 s target
+        e.measured[cid] = _Measured(he_values_per_s=e.n_values / 1.1, uplink_bytes_per_s=1e8, train_s=0.5)
+    partial = e._budgets(members, 0)
+    assert all(0 < b < 1 for b in partial.values()), partial
+
+    def choice(cid: str, sensitivity_s: float, mask_s: float) -> None:
+        metrics = {"train_s": 0.5, "sensitivity_s": sensitivity_s, "mask_s": mask_s}
+        e._measure(cid, Update(cid, 1, 0, 10, (np.zeros(1, np.float32),), metrics))
+
+    choice("d0", 0.01, 2.0)  # the choice took 2 s: longer than encrypting everything (1.1 s)
+    choice("d0", 0.01, 0.1)  # a cheaper choice later does not lower the estimate
+    assert e.measured["d0"].select_s == pytest.approx(2.01)
+    assert all(b == 1.0 for b in e._budgets(members, 0).values())
+    choice("d1", 0.0, 0.5)  # no sensitivity computed: the device did not choose, nothing is learnt
+    assert e.measured["d1"].select_s is None
