@@ -47,8 +47,8 @@ class DeviceCapacity:
     (values per second with every obfuscator from the pool; ``None`` until measured);
     ``decrypt_values_per_s`` its measured decryption throughput of an aggregate (key mode ``shared``;
     ``None`` until measured); ``select_s`` what choosing a partial mask costs the device (sensitivity, mask
-    solver and leakage check, measured in its last round with a budget below 1; 0 until measured): a budget
-    of 1 skips all three (``fedsdk.pipeline.choose_mask``).
+    solver and leakage check: the most the device has taken for it in a round with a budget below 1; 0 until
+    measured): a budget of 1 skips all three (``fedsdk.pipeline.choose_mask``).
     """
 
     client_id: str
@@ -306,7 +306,7 @@ def deadline_plan(
         else:
             alpha, status = alpha_max, "full" if alpha_max >= 1.0 else "partial"
         predicted = _round_time(d, alpha * n, n, p, c, warm, t_warm) + dec_s
-        if status == "partial" and predicted > deadline_s:
+        if status == "partial" and predicted > deadline_s * (1 + 1e-9):
             status = "capped"  # the whole update fits, but the union's cap K asks for a mask choice
         plan[d.client_id] = DeadlineBudget(d.client_id, alpha, alpha_max, predicted, status, dec_s)
     return _whole_if_shorter(
