@@ -16,7 +16,7 @@ Two policies:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -286,14 +286,19 @@ def deadline_plan(
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             cap = lo
         union = min(float(n), factor * cap)
-    plan: dict[str, DeadlineBudget] = {}
-    for d in devices:
-        warm, t_warm = warm_of(d), t_warm_of(d)
-        dec_s = (
-            share(d) * union / d.decrypt_values_per_s
+
+    def decrypt_s(d: DeviceCapacity, u: float) -> float:
+        """The device's modelled part of decrypting a union of ``u`` values (0 when not counted)."""
+        return (
+            share(d) * u / d.decrypt_values_per_s
             if union_factor is not None and d.decrypt_values_per_s
             else 0.0
         )
+
+    plan: dict[str, DeadlineBudget] = {}
+    for d in devices:
+        warm, t_warm = warm_of(d), t_warm_of(d)
+        dec_s = decrypt_s(d, union)
         k = _max_values(d, deadline_s - dec_s, n, p, c, warm, t_warm) if deadline_s > dec_s else None
         if k is not None:
             k = min(k, cap)
@@ -309,46 +314,31 @@ def deadline_plan(
         if status == "partial" and predicted > deadline_s * (1 + 1e-9):
             status = "capped"  # the whole update fits, but the union's cap K asks for a mask choice
         plan[d.client_id] = DeadlineBudget(d.client_id, alpha, alpha_max, predicted, status, dec_s)
-    return _whole_if_shorter(
-        plan,
-        devices,
-        deadline_s,
-        n,
-        union_factor,
-        share,
-        lambda d: _round_time(d, float(n), n, p, c, warm_of(d), t_warm_of(d)),
-    )
+    whole = {
+        d.client_id: (_round_time(d, float(n), n, p, c, warm_of(d), t_warm_of(d)), decrypt_s(d, float(n)))
+        for d in devices
+    }
+    return _whole_if_shorter(plan, whole, deadline_s)
 
 
 def _whole_if_shorter(
-    plan: dict[str, DeadlineBudget],
-    devices: Sequence[DeviceCapacity],
-    deadline_s: float,
-    n: int,
-    union_factor: float | None,
-    share: Callable[[DeviceCapacity], float],
-    full_time: Callable[[DeviceCapacity], float],
+    plan: dict[str, DeadlineBudget], whole: Mapping[str, tuple[float, float]], deadline_s: float
 ) -> dict[str, DeadlineBudget]:
     """Every device at α = 1 when that makes the cluster's modelled round (its slowest device) strictly
-    shorter than ``plan``: a budget below 1 costs the mask choice (``select_s``), which can cost more than
-    encrypting the rest from the pool. With no measured choice cost, α = 1 is never shorter (the round
-    time grows with k), so ``plan`` stands."""
+    shorter than ``plan``; ``whole`` holds each device's round time and decryption at α = 1. A budget
+    below 1 costs the mask choice (``select_s``), which can cost more than encrypting the rest from the
+    pool. With no measured choice cost, α = 1 is never shorter (the round time grows with k), so ``plan``
+    stands."""
     if all(b.alpha >= 1.0 for b in plan.values()):
         return plan
-    whole: dict[str, DeadlineBudget] = {}
-    for d in devices:
-        dec_s = (
-            share(d) * n / d.decrypt_values_per_s
-            if union_factor is not None and d.decrypt_values_per_s
-            else 0.0
-        )
-        t = full_time(d) + dec_s
-        b = plan[d.client_id]
-        whole[d.client_id] = DeadlineBudget(
-            d.client_id, 1.0, b.alpha_max, t, "full" if t <= deadline_s else "whole", dec_s
+    out: dict[str, DeadlineBudget] = {}
+    for cid, (send_s, dec_s) in whole.items():
+        t = send_s + dec_s
+        out[cid] = DeadlineBudget(
+            cid, 1.0, plan[cid].alpha_max, t, "full" if t <= deadline_s else "whole", dec_s
         )
     slowest = max(b.predicted_s for b in plan.values())
-    return whole if max(b.predicted_s for b in whole.values()) < slowest else plan
+    return out if max(b.predicted_s for b in out.values()) < slowest else plan
 
 
 def deadline_budgets(

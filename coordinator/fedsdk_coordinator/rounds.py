@@ -94,6 +94,14 @@ progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI s
 Publish = Callable[..., Awaitable[None]]
 
 
+async def _wait_with_grace(done: asyncio.Event, deadline_s: float, quorate: Callable[[], bool]) -> None:
+    """A round's collection: until ``done`` or the deadline, then one more deadline of grace if the quorum
+    is still missing (``quorate()`` false)."""
+    for _ in range(2):
+        if await _wait(done, deadline_s) or quorate():
+            return
+
+
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for ``event``; True if it is set.
 
@@ -1167,9 +1175,7 @@ class RoundEngine:
             self.store.plan_round([RoundPlan(0, 0, tuple(sorted(sk.participants)), {})])
             self._sketch_round = sk
         await self._send_tasks(sk)
-        for _ in range(2):  # the deadline, then one more deadline of grace if the quorum is still missing
-            if await _wait(sk.done, c.deadline_s) or len(self._sketches) >= c.min_clients:
-                break
+        await _wait_with_grace(sk.done, c.deadline_s, lambda: len(self._sketches) >= c.min_clients)
         if not sk.done.is_set():
             log.warning(
                 "sketch round: %d of %d sketches by the deadline", len(self._sketches), len(sk.participants)
@@ -1337,12 +1343,10 @@ class RoundEngine:
         return metrics, len(ordered), total
 
     async def _collect(self, rnd: _RoundState, quorum: int) -> list[Any]:
-        c = self.config
-        for _ in range(2):  # the deadline, then one more deadline of grace if quorum is still missing
-            await _wait(rnd.done, c.deadline_s)
-            valid = [r for r in rnd.replies.values() if not isinstance(r, Error)]
-            if rnd.done.is_set() or len(valid) >= quorum:
-                break
+        def quorate() -> bool:
+            return sum(not isinstance(r, Error) for r in rnd.replies.values()) >= quorum
+
+        await _wait_with_grace(rnd.done, self.config.deadline_s, quorate)
         rnd.collecting = False
         missing = rnd.participants - set(rnd.replies)
         if missing:
