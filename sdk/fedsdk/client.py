@@ -295,8 +295,9 @@ class FedClient:
         return self
 
     def _size_pool(self, n_values: int) -> None:
-        """With the default pool (``pool_capacity=None``): start or resize it for this model, before training,
-        so that it fills while the device trains and between rounds (``fedsdk.crypto.pool.auto_capacity``)."""
+        """With the default pool (``pool_capacity=None``): start or resize it for this model at the first task
+        that carries it, so that it fills during the sketch round, while the device trains and between rounds
+        (``fedsdk.crypto.pool.auto_capacity``)."""
         he = self._he
         if self._pool_capacity is not None or he is None or not hasattr(he, "start_pool"):
             return
@@ -559,6 +560,8 @@ class FedClient:
                 base = [w.copy() for w in self.weights]
             else:
                 raise TrainingError("the task carries no model and this device holds none (joined late?)")
+            if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
+                self._size_pool(sum(int(b.size) for b in base))
             if phase == "sketch":
                 msg: BaseMessage = await loop.run_in_executor(None, self._sketch, task, base)
                 await self._reply(task, phase, T.SKETCH, msg)
@@ -676,8 +679,6 @@ class FedClient:
         )
 
     def _train_and_protect(self, task: Task, base: list[np.ndarray]) -> tuple[BaseMessage, dict[str, Any]]:
-        if str(task.config.get("mask", "none")) != "none":
-            self._size_pool(sum(int(b.size) for b in base))
         result = self._fit(task, base)
         delta = [np.asarray(n, dtype=np.float32) - b for n, b in zip(result.weights, base, strict=True)]
         record: dict[str, Any] = {

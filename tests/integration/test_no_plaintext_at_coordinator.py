@@ -50,6 +50,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from brokers import require_mosquitto, start_mosquitto
 from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend, generate_backend
+from fedsdk.crypto.pool import auto_capacity
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
 from fedsdk.model.data import load_digits, partition_iid
@@ -274,6 +275,8 @@ class Run:
     device_he: Path | None  # the devices' key directory, secret key included (HE strategies)
     state_dir: Path
     responses_by_endpoint: dict[str, int]
+    pool_at_sketch: dict[str, int | None]  # each device's obfuscator pool capacity when it sketched
+    pool_known: dict[str, int]  # the values the coordinator's budgets count in each device's pool
 
 
 async def federate(
@@ -363,6 +366,15 @@ async def federate(
                 )
                 for t in trainers
             ]
+            pool_at_sketch: dict[str, int | None] = {}
+            for c in clients:
+
+                def sketch(task: Any, base: Any, _c: FedClient = c, _sketch: Any = c._sketch) -> Any:
+                    pool = getattr(_c._he, "pool", None)
+                    pool_at_sketch[_c.client_id] = None if pool is None else pool.capacity
+                    return _sketch(task, base)
+
+                c._sketch = sketch  # type: ignore[method-assign]
             poller = asyncio.create_task(poll())
             try:
                 async with contextlib.AsyncExitStack() as stack:
@@ -376,8 +388,7 @@ async def federate(
             await read_endpoints(http, endpoints)
             assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
             assert all(s.withheld == 0 for s in summaries)
-            if device_he is not None:  # the default pool filled while they trained, and the budgets know it
-                assert all(engine.measured[t.client_id].pool_values > 0 for t in trainers), engine.measured
+            pool_known = {cid: m.pool_values for cid, m in engine.measured.items()}
             clusters = dict(engine.clusters) or dict.fromkeys(DEVICES, 0)
             budgets = {
                 f"round {rec.round_id} {k}": float(v)
@@ -404,6 +415,8 @@ async def federate(
         device_he,
         tmp_path / "state",
         {p: len(r) for p, r in responses.items()},
+        pool_at_sketch,
+        pool_known,
     )
 
 
@@ -475,6 +488,13 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
     updates = [m for m in map(decode, run.hay.replies) if isinstance(m, EncryptedUpdate)]
     assert not any(isinstance(m, Update) for m in map(decode, run.hay.replies))
     assert sorted((m.client_id, m.round_id) for m in updates) == sorted(truths)
+    # The default obfuscator pool ran from the sketch round on; it filled while the devices waited and
+    # trained, and the budgets count what each device's last update said its pool held.
+    packs = run.he.num_packs(run.truths[0].values.size)
+    assert run.pool_at_sketch == dict.fromkeys(DEVICES, auto_capacity(packs, run.he.keys.key_bits))
+    assert sum(m.metrics["from_pool"] for m in updates) > 0, "no obfuscator came from the pool"
+    last = {m.client_id: m for m in sorted(updates, key=lambda m: m.round_id)}
+    assert run.pool_known == {c: int(m.metrics["pool_ready"]) * run.he.pack_size for c, m in last.items()}
     with load_he(run.device_he) as keyholder:
         for m in updates:
             assert m.plaintexts == b"" and bool(np.all(m.mask[0])), f"{m.client_id} sent a clear part"
