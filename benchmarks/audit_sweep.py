@@ -1,8 +1,8 @@
 """Protection against real attacks by encrypted ratio and sensitivity metric (`fedsdk audit`).
 
-A thin wrapper over :func:`fedsdk.audit.run_audit` with ``sweep=True`` ([000] app. H, [004] §5.2): for each
-preset, the device mask (metric ``wg``, budget α = 0.1, default :class:`fedsdk.masking.MaskConfig`) and a
-random mask of the same size, then every metric at every ratio. Writes the full JSON reports, a markdown
+A thin wrapper over :func:`fedsdk_coordinator.audit.run_audit` with ``sweep=True`` ([000] app. H, [004] §5.2):
+for each preset, the device mask (metric ``wg``, budget α = 0.1, default :class:`fedsdk.masking.MaskConfig`)
+and a random mask of the same size, then every metric at every ratio. Writes the full JSON reports, a markdown
 table per preset, and a PNG plot of PSNR/label accuracy against the ratio when matplotlib is installed
 (optional; not a dependency).
 
@@ -18,7 +18,14 @@ import platform
 import sys
 from typing import Any
 
-from fedsdk.audit import ATTACKS, SWEEP_RATIOS, AuditConfig, AuditReport, InversionConfig, run_audit
+from fedsdk_coordinator.audit import (
+    ATTACKS,
+    SWEEP_RATIOS,
+    AuditConfig,
+    AuditReport,
+    InversionConfig,
+    run_audit,
+)
 
 _COLS = (
     ("analytic PSNR", "analytic_psnr", "db"),

@@ -65,7 +65,7 @@ from fedsdk.crypto import Contribution, HEBackend, ObfuscatorPool, generate_back
 from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.bench import machine_info
 from fedsdk.crypto.fixedpoint import clip_values
-from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, preset
+from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import (
     Aggregate,
@@ -78,6 +78,7 @@ from fedsdk.protocol import (
 )
 from fedsdk.transport import MAX_MESSAGE_BYTES
 from fedsdk_coordinator.aggregate import fedavg
+from fedsdk_coordinator.models import build_graphs, init_params, preset
 
 ARMS = ("plaintext", "packed", "ckks")
 SEED, ROUND, CLUSTER = 0, 1, 0

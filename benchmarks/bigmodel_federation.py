@@ -13,12 +13,12 @@ does, as separate processes over MQTT with mutual TLS, and reports what the prod
   the model's input, split IID over ``--devices`` devices (``partition_iid``, seed 0) and written with
   ``save_npz``; every device evaluates each new model on the 359 held-out digits, upsampled the same way.
 * **keys**: the federation's packed Paillier key pair of ``--key-bits`` bits, made as ``fedsdk demo`` makes
-  it (``fedsdk.cli.demo._make_keys``: ``generate_backend`` + ``save_he``): the coordinator's folder holds
-  the public key only, the devices' the secret too (key mode ``shared``).
+  it (``fedsdk_coordinator.cli.demo._make_keys``: ``generate_backend`` + ``save_he``): the coordinator's
+  folder holds the public key only, the devices' the secret too (key mode ``shared``).
 * **processes**: a development PKI (``make_dev_pki``: CA, broker, coordinator and one certificate per
   device), mosquitto on a free loopback port with a TLS listener that requires those client certificates
-  (``fedsdk.mosquitto.LoopbackMosquitto``, mosquitto's ``max_packet_size`` as ``fedsdk provision`` writes
-  it), ``fedsdk coordinator --broker ... --model model.onnx --strategy fedsdk --he ...`` and one
+  (``fedsdk_coordinator.mosquitto.LoopbackMosquitto``, mosquitto's ``max_packet_size`` as ``fedsdk provision``
+  writes it), ``fedsdk coordinator --broker ... --model model.onnx --strategy fedsdk --he ...`` and one
   ``fedsdk join ... --json`` per device. Every process this script starts is stopped on the way out, on
   failure too (SIGINT/SIGTERM, then SIGKILL, by PID).
 
@@ -96,12 +96,12 @@ import numpy as np
 
 import fedsdk
 import fedsdk_coordinator
-from fedsdk.cli.demo import _make_keys, _reap, _spawn
 from fedsdk.crypto.bench import machine_info
 from fedsdk.errors import FedError
 from fedsdk.model.data import load_digits, partition_iid, save_npz
-from fedsdk.mosquitto import LoopbackMosquitto, free_port
-from fedsdk.pki import make_dev_pki
+from fedsdk_coordinator.cli.demo import _make_keys, _reap, _spawn
+from fedsdk_coordinator.mosquitto import LoopbackMosquitto, free_port
+from fedsdk_coordinator.pki import make_dev_pki
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = "mlp_1m"

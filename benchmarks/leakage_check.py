@@ -13,9 +13,10 @@ import json
 import numpy as np
 
 from fedsdk.audit.analytic import first_layer_recoveries
-from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, mlp
+from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import choose_mask, flatten
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 
 
 def main() -> None:

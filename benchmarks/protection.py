@@ -15,17 +15,17 @@ hyper-parameters where an attack needs them (the worst case).
 Attacks, each sample scored by its best candidate, and counted only when it reaches 25 dB *and* beats the
 null attacker (the best of 200 held-out digits, which needs no update):
 
-* **analytic** (``fedsdk.audit.analytic.first_layer_recoveries``) on the first Linear layer's visible rows
-  over both rounds: images on the MLP; on the CNN that layer reads the 64-value feature map left by the
-  convolutions, so it recovers feature maps (scored against the true ones, and a null attacker of 200
+* **analytic** (``fedsdk.audit.analytic.first_layer_recoveries``) on the first Linear layer's
+  visible rows over both rounds: images on the MLP; on the CNN that layer reads the 64-value feature map left
+  by the convolutions, so it recovers feature maps (scored against the true ones, and a null attacker of 200
   held-out digits' feature maps), not images;
-* **inverting gradients on the update** (``fedsdk.audit.inversion.invert_local_training``, needs PyTorch):
-  the device's local training replayed on dummies and matched by cosine over the visible entries,
-  ``--ig-iterations`` (1,500) with ``--ig-restarts`` (2) starts, on the round-1 updates of the
+* **inverting gradients on the update** (``fedsdk_coordinator.audit.inversion.invert_local_training``,
+  needs PyTorch): the device's local training replayed on dummies and matched by cosine over the visible
+  entries, ``--ig-iterations`` (1,500) with ``--ig-restarts`` (2) starts, on the round-1 updates of the
   ``--ig-devices`` smallest devices (142-143 digits: fewer samples make the attack stronger), rows without
   noise;
-* **labels** (``fedsdk.audit.labels.update_label_counts``, iLRG on the multi-step update): instance recall of
-  the restored per-class counts, next to a null attacker's (uniform counts);
+* **labels** (``fedsdk_coordinator.audit.labels.update_label_counts``, iLRG on the multi-step update):
+  instance recall of the restored per-class counts, next to a null attacker's (uniform counts);
 * on the CNN once, **feature inversion**: how much of an image its exact feature map gives back (Adam on
   ``‖f(x) − a‖² + TV`` from random starts), which says what a recovered feature map is worth.
 
@@ -51,11 +51,16 @@ from typing import Any
 import numpy as np
 
 from fedsdk.audit.analytic import first_layer_recoveries
-from fedsdk.audit.forward import first_linear, layer_input
-from fedsdk.audit.inversion import InversionConfig, torch_available
 from fedsdk.audit.metrics import psnr
-from fedsdk.audit.runner import PRESET_TV
-from fedsdk.audit.sent import (
+from fedsdk.crypto import generate_backend
+from fedsdk.model import OnnxModel, OnnxTrainer
+from fedsdk.model.data import load_digits, partition_label_skew
+from fedsdk.noise import noise_clear, rdp_epsilon
+from fedsdk.pipeline import flatten, unflatten
+from fedsdk_coordinator.audit.forward import first_linear, layer_input
+from fedsdk_coordinator.audit.inversion import InversionConfig, torch_available
+from fedsdk_coordinator.audit.runner import PRESET_TV
+from fedsdk_coordinator.audit.sent import (
     feature_map_scores,
     label_recall,
     null_scores,
@@ -64,12 +69,8 @@ from fedsdk.audit.sent import (
     sent_mask,
     trainer_batches,
 )
-from fedsdk.crypto import generate_backend
-from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, preset
-from fedsdk.model.data import load_digits, partition_label_skew
-from fedsdk.model.layers import ModelSpec
-from fedsdk.noise import noise_clear, rdp_epsilon
-from fedsdk.pipeline import flatten, unflatten
+from fedsdk_coordinator.models import build_graphs, init_params, preset
+from fedsdk_coordinator.models.layers import ModelSpec
 
 CLIENTS, GROUPS, ROUNDS, SEED = 8, 4, 2, 0
 LR, MOMENTUM, BATCH = 0.05, 0.9, 32
@@ -207,7 +208,7 @@ def feature_inversion(ctx: Context, n: int, iterations: int, restarts: int) -> d
     """From the exact first-Linear-layer input of ``n`` local digits, the best image an attacker gets."""
     import torch
 
-    from fedsdk.model.torch_bridge import to_torch
+    from fedsdk_coordinator.models.torch_bridge import to_torch
 
     site = first_linear(ctx.spec)
     x = ctx.devices[0][0][:n]

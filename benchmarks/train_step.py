@@ -3,8 +3,8 @@
 Two sets of models:
 
 * **Presets** (``mlp``: 64-64-10; ``lenet``: LeNet-5-style CNN on 1x8x8), graphs from
-  :func:`fedsdk.model.build_graphs`, at batch sizes 32 and 128 and two thread settings (1 thread; each
-  library's default), trained on the same batch of digits.
+  :func:`fedsdk_coordinator.models.build_graphs`, at batch sizes 32 and 128 and two thread settings (1 thread;
+  each library's default), trained on the same batch of digits.
 * **The model zoo** of the import tests (``tests/zoo.py``, imported by adding ``tests/`` to ``sys.path``):
   every model of ``zoo.ZOO`` (MLPs, 1-D and 2-D CNNs among them LeNet, a MobileNetV2-like and a small
   ResNet, a text tagger with an embedding, ...). Each is exported with ``torch.onnx.export``
@@ -48,8 +48,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from fedsdk.model import SGD, ModelSpec, OnnxModel, build_graphs, init_params, lenet, mlp
+from fedsdk.model import SGD, OnnxModel
 from fedsdk.model.data import load_digits
+from fedsdk_coordinator.models import ModelSpec, build_graphs, init_params, lenet, mlp
 
 torch: Any
 try:
@@ -149,7 +150,7 @@ def bench_onnx(spec: ModelSpec, x: np.ndarray, y: np.ndarray, threads: int, iter
 def bench_torch(
     spec: ModelSpec, x: np.ndarray, y: np.ndarray, threads: int, iters: int, repeats: int
 ) -> dict:
-    from fedsdk.model.torch_bridge import to_torch
+    from fedsdk_coordinator.models.torch_bridge import to_torch
 
     torch.set_num_threads(threads)
     model = to_torch(spec, init_params(spec, 0))
@@ -164,7 +165,7 @@ def parity(spec: ModelSpec, batch: int) -> float:
     inside max-pool windows, and the two frameworks may route the gradient to different (equally valid)
     positions of a tie, which would hide a real difference behind a legitimate one.
     """
-    from fedsdk.model.torch_bridge import to_torch
+    from fedsdk_coordinator.models.torch_bridge import to_torch
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((batch, *spec.input_shape)).astype(np.float32)

@@ -4,9 +4,10 @@ Used by the whole suite (see ``tests/conftest.py`` for the fixtures built on the
 
 * :func:`start_mosquitto` runs ``/usr/sbin/mosquitto`` with a config file in a temporary directory, on a
   free loopback port, and waits until it accepts TCP connections. Plain listener with anonymous access when
-  ``tls`` is None; with a :class:`~fedsdk.pki.DevPki` a TLS listener that *requires* a client certificate
-  signed by the PKI's CA and uses the certificate's CN as the MQTT username (so an ``acl_file`` can name
-  client ids). :meth:`MosquittoProcess.restart` brings the broker back on the same port (reconnect tests).
+  ``tls`` is None; with a :class:`~fedsdk_coordinator.pki.DevPki` a TLS listener that *requires* a client
+  certificate signed by the PKI's CA and uses the certificate's CN as the MQTT username (so an ``acl_file``
+  can name client ids). :meth:`MosquittoProcess.restart` brings the broker back on the same port (reconnect
+  tests).
 * :func:`start_amqtt` runs amqtt 0.12's ``Broker`` inside the test's event loop. amqtt 0.12 hard-codes
   ``ssl.CERT_OPTIONAL`` on TLS listeners: a client certificate from another CA fails the handshake, but a
   client *without* a certificate is accepted by TLS. ``require_client_cert=True`` replaces anonymous auth by
@@ -35,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from fedsdk.errors import TransportError
-from fedsdk.mosquitto import HOST, find_mosquitto, free_port, terminate
-from fedsdk.mosquitto import accepting as _accepting
-from fedsdk.pki import DevPki
 from fedsdk.transport import MAX_PACKET_BYTES, Message, MqttTransport
+from fedsdk_coordinator.mosquitto import HOST, find_mosquitto, free_port, terminate
+from fedsdk_coordinator.mosquitto import accepting as _accepting
+from fedsdk_coordinator.pki import DevPki
 
 __all__ = [
     "AmqttBroker",
@@ -154,7 +155,7 @@ def _mosquitto_config(
         "log_type notice",
         "log_type information",
         "connection_messages true",
-        "set_tcp_nodelay true",  # as fedsdk.mosquitto and `fedsdk provision` write it
+        "set_tcp_nodelay true",  # as fedsdk_coordinator.mosquitto and `fedsdk provision` write it
         f"max_packet_size {MAX_PACKET_BYTES}",  # likewise
         f"listener {port} {HOST}",
     ]

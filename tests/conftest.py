@@ -5,7 +5,8 @@ Fixtures
 ``mosquitto``        a plain-TCP mosquitto on a free 127.0.0.1 port, anonymous access (function scope).
                      Attributes: ``.host``, ``.port``, ``.url`` (``mqtt://127.0.0.1:PORT``), ``.stop()``,
                      ``.restart()``, ``.kill()``, ``.log_text()``.
-``dev_pki``          a :class:`fedsdk.pki.DevPki` in a temporary directory with client ids ``dev1``,
+``dev_pki``          a :class:`fedsdk_coordinator.pki.DevPki` in a temporary directory with client ids
+``dev1``,
                      ``dev2``, ``dev3`` and ``coordinator``. ``dev_pki.tls_for("dev1")`` -> ``TlsConfig``.
 ``mosquitto_tls``    mosquitto with a TLS listener that requires a client certificate from ``dev_pki``'s CA
                      (CN becomes the username); ``.url`` is ``mqtts://127.0.0.1:PORT``.
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from brokers import MosquittoProcess, find_mosquitto, start_mosquitto
-from fedsdk.pki import DevPki, make_dev_pki
+from fedsdk_coordinator.pki import DevPki, make_dev_pki
 
 DEV_CLIENT_IDS = ("dev1", "dev2", "dev3")
 

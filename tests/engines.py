@@ -7,7 +7,7 @@ from typing import Any
 
 from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend
-from fedsdk.model import build_graphs, init_params, mlp
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 

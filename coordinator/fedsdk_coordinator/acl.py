@@ -1,12 +1,12 @@
 """The fleet's mosquitto ACL, read and enforced by the embedded broker.
 
-`fedsdk provision` writes one ``acl_file`` for mosquitto (:func:`fedsdk.provision.mosquitto.render_acl`).
-The embedded amqtt broker enforces the *same text* rather than a second copy of the rules, so the laptop
-default and a mosquitto fleet grant exactly the same rights: a device publishes only under
-``fl/<fed>/up/<its id>/``, reads only its own downstream topic, the cluster broadcasts and the coordinator
-status; the coordinator and the key server get their ``user`` blocks. Without it any device holding a
-fleet certificate could subscribe to ``fl/<fed>/up/#`` and read every other device's update, and in key
-mode ``shared``, where every device holds the HE secret key, decrypt them.
+`fedsdk provision` writes one ``acl_file`` for mosquitto
+(:func:`fedsdk_coordinator.provision.mosquitto.render_acl`). The embedded amqtt broker enforces the *same
+text* rather than a second copy of the rules, so the laptop default and a mosquitto fleet grant exactly the
+same rights: a device publishes only under ``fl/<fed>/up/<its id>/``, reads only its own downstream topic, the
+cluster broadcasts and the coordinator status; the coordinator and the key server get their ``user`` blocks.
+Without it any device holding a fleet certificate could subscribe to ``fl/<fed>/up/#`` and read every other
+device's update, and in key mode ``shared``, where every device holds the HE secret key, decrypt them.
 
 The subset of mosquitto.conf(5) "acl_file" understood here is the one fedsdk writes: ``user NAME``,
 ``topic [read|write|readwrite] TOPIC`` and ``pattern [read|write|readwrite] TOPIC`` with ``%u`` (username)
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from fedsdk.errors import ConfigError
-from fedsdk.provision.crl import revoked_serials
+from fedsdk_coordinator.provision.crl import revoked_serials
 
 __all__ = ["Access", "AclRules", "RevocationList", "filter_covers", "parse_acl"]
 

@@ -18,9 +18,9 @@ does amqtt's bookkeeping with the resumed session taking the new TLS object. Thi
 internals; pyproject pins ``amqtt<0.13`` and the ACL tests run against every install.
 
 With TLS it also enforces the fleet's ACL, the very text ``fedsdk provision`` writes for mosquitto
-(:func:`fedsdk.provision.mosquitto.render_acl` for the federation and key mode), through the plugins of
-:mod:`.broker_plugins`: identity = certificate CN = client id, publish/subscribe/delivery checked against
-the ACL, last-will topics checked at connect. ``insecure=True`` (no TLS, development only) has no
+(:func:`fedsdk_coordinator.provision.mosquitto.render_acl` for the federation and key mode), through the
+plugins of :mod:`.broker_plugins`: identity = certificate CN = client id, publish/subscribe/delivery checked
+against the ACL, last-will topics checked at connect. ``insecure=True`` (no TLS, development only) has no
 identities and enforces nothing; the coordinator still checks that an update's sender matches its topic.
 
 **Message size.** amqtt has no packet size limit: it reads a PUBLISH payload of whatever length the fixed
@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from fedsdk.errors import ConfigError, ConnectError
-from fedsdk.provision.mosquitto import render_acl
 from fedsdk.transport import MAX_MESSAGE_BYTES, max_frame_bytes
 from fedsdk_coordinator.acl import RevocationList, parse_acl
+from fedsdk_coordinator.provision.mosquitto import render_acl
 
 __all__ = ["EmbeddedBroker", "EmbeddedBrokerConfig"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fedsdk.crypto import HEBackend, load_backend
 from fedsdk.errors import ConfigError
-from fedsdk.pki import write_private, write_public
+from fedsdk.files import write_private, write_public
 
 __all__ = ["load_he", "save_he"]
 

@@ -1,10 +1,10 @@
 """The device's self-audit (``fedsdk join --self-audit``): attack the update before sending it.
 
 A device with the self-audit on runs the analytic first-layer attack of ``fedsdk audit --sent``
-(:func:`fedsdk.audit.analytic.first_layer_recoveries`) on exactly what the coordinator would see of its
-update: the clear entries left by the mask, after the noise on the clear part, or the whole update under
-the ``plaintext`` strategy. Every local sample is scored by the best PSNR (dB) the attack gets on it; when
-any sample reaches ``threshold_db`` (25 dB by default) the update is withheld and the device answers the
+(:func:`fedsdk.audit.analytic.first_layer_recoveries`) on exactly what the coordinator would see
+of its update: the clear entries left by the mask, after the noise on the clear part, or the whole update
+under the ``plaintext`` strategy. Every local sample is scored by the best PSNR (dB) the attack gets on it;
+when any sample reaches ``threshold_db`` (25 dB by default) the update is withheld and the device answers the
 task with an ``Error`` of code ``self_audit`` instead (:class:`fedsdk.client.FedClient`).
 
 Decisions:
@@ -121,7 +121,9 @@ def self_audit(
     skipped = "there are no local samples" if len(x) == 0 else not_applicable(shapes, x.shape[1])
     if skipped:
         return SelfAuditResult(np.zeros(0), threshold, time.perf_counter() - t0, skipped)
-    from fedsdk.audit.analytic import first_layer_recoveries  # the attack code loads on first use only
+    from fedsdk.audit.analytic import (
+        first_layer_recoveries,  # the attack code loads on first use only
+    )
 
     lo, hi = value_range if value_range is not None else (float(x.min()), float(x.max()))
     if not hi > lo:

@@ -37,8 +37,8 @@ Decisions (no paper specifies the transport):
   for the broker's delayed ACK, 40 ms on Linux (200 ms on Windows) per hop. Measured in the fleet benchmark
   on loopback: a bundle of decryption shares left the coordinator 40-58 ms after it was published. The
   Eclipse Paho C client sets it by default since 1.3.16; brokers need it too (mosquitto
-  ``set_tcp_nodelay true``, written by :mod:`fedsdk.mosquitto` and ``fedsdk provision``; asyncio-based
-  brokers such as amqtt set it already).
+  ``set_tcp_nodelay true``, written by :mod:`fedsdk_coordinator.mosquitto` and ``fedsdk provision``;
+  asyncio-based brokers such as amqtt set it already).
 * Logs carry topics, sizes, ids and reasons, never payload bytes or key material.
 * Optional uplink emulation for benchmarks (``rate_limit_bytes_per_s``, off by default): every outgoing
   frame first crosses a :class:`TokenBucket` with no burst credit, so a payload of B bytes takes at least

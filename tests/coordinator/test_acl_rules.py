@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from paho.mqtt.client import topic_matches_sub
 
 from fedsdk.errors import ConfigError
-from fedsdk.pki import make_ca, make_dev_pki, write_public
-from fedsdk.provision.crl import Revocation, build_crl
-from fedsdk.provision.mosquitto import render_acl
 from fedsdk_coordinator.acl import RevocationList, filter_covers, parse_acl
+from fedsdk_coordinator.pki import make_ca, make_dev_pki, write_public
+from fedsdk_coordinator.provision.crl import Revocation, build_crl
+from fedsdk_coordinator.provision.mosquitto import render_acl
 
 FED = "fed1"
 

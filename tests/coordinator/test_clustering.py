@@ -112,11 +112,12 @@ def _digits_setup(hidden: int, devices: int) -> tuple[Any, Any, Any, list[np.nda
     """(model module, digits, a 64-``hidden``-10 MLP as ONNX, its seed-0 weights, label-skew partition)."""
     model_mod = pytest.importorskip("fedsdk.model")
     data_mod = pytest.importorskip("fedsdk.model.data")
+    graphs = pytest.importorskip("fedsdk_coordinator.models")
     ds = data_mod.load_digits()
-    spec = model_mod.mlp(64, (hidden,), 10)
-    model = model_mod.OnnxModel.from_bundle(model_mod.build_graphs(spec))
+    spec = graphs.mlp(64, (hidden,), 10)
+    model = model_mod.OnnxModel.from_bundle(graphs.build_graphs(spec))
     part = data_mod.partition_label_skew(ds.y_train, devices, n_groups=4, seed=0)
-    return model_mod, ds, model, model_mod.init_params(spec, seed=0), part
+    return model_mod, ds, model, graphs.init_params(spec, seed=0), part
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_the_coordinator_checks_the_mask_floor(tmp_path: Path, strategy: str, fl
 
 
 def test_benchmark_arms_turn_the_consensus_off() -> None:
-    from fedsdk.fleetbench import parse_arm
+    from fedsdk_bench.fleet import parse_arm
 
     assert parse_arm("fedsdk").consensus is None  # the strategy's default: on
     arm = parse_arm("fedsdk+keyserver+noconsensus")

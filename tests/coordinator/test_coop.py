@@ -59,7 +59,7 @@ def test_a_task_carries_the_devices_part_only_in_its_round(
 
 
 def test_benchmark_arm_turns_it_off() -> None:
-    from fedsdk.fleetbench import parse_arm
+    from fedsdk_bench.fleet import parse_arm
 
     assert parse_arm("fedsdk").coop is None
     arm = parse_arm("fedsdk+noconsensus+nocoop")

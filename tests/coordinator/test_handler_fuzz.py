@@ -36,7 +36,6 @@ from hypothesis import strategies as st
 
 from fedsdk.crypto import HEBackend, generate_backend, load_backend
 from fedsdk.errors import ValidationError
-from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.pipeline import decode_pack_mask, message_from_contribution, message_from_he_aggregate
 from fedsdk.protocol import (
     Aggregate,
@@ -59,6 +58,7 @@ from fedsdk.protocol import (
     join_parts,
 )
 from fedsdk.protocol import topics as T
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 

@@ -63,7 +63,7 @@ def test_the_budget_cap_holds_every_alpha_below_it(tmp_path: Path, public: dict[
 
 
 def test_benchmark_arm_turns_the_fill_off() -> None:
-    from fedsdk.fleetbench import parse_arm
+    from fedsdk_bench.fleet import parse_arm
 
     assert parse_arm("fedsdk").fill is None
     assert parse_arm("fedsdk+nofill").fill is False

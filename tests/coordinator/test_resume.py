@@ -20,7 +20,6 @@ import pytest
 
 from fedsdk.crypto import HEBackend, generate_backend, load_backend
 from fedsdk.errors import ConfigError
-from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.pipeline import he_aggregate_from_message, message_from_contribution
 from fedsdk.protocol import (
     BYE_LEAVING,
@@ -40,6 +39,7 @@ from fedsdk.protocol import (
 )
 from fedsdk.protocol import topics as T
 from fedsdk_coordinator.aggregate import fedavg
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 

@@ -37,9 +37,9 @@ from brokers import (
 )
 from fedsdk.errors import ConnectError, TransportError
 from fedsdk.model.data import load_digits, partition_iid, save_npz
-from fedsdk.pki import make_dev_pki
-from fedsdk.provision import Kit, fleet_from_mapping, load_kit, provision, revoke_device
 from fedsdk.transport import Message, MqttTransport, TlsConfig
+from fedsdk_coordinator.pki import make_dev_pki
+from fedsdk_coordinator.provision import Kit, fleet_from_mapping, load_kit, provision, revoke_device
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 

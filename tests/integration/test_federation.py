@@ -23,13 +23,13 @@ from aiohttp import web
 
 from brokers import find_mosquitto, free_port, start_mosquitto
 from fedsdk.model.data import load_digits, partition_iid, save_npz
-from fedsdk.pki import DevPki, make_dev_pki
 from fedsdk.protocol import Aggregate, Hello, Status, Task, Update, decode, encode
 from fedsdk.protocol import topics as T
-from fedsdk.provision.mosquitto import render_acl
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator import CoordinatorConfig, EmbeddedBrokerConfig, RoundConfig, create_app
 from fedsdk_coordinator.app import ENGINE
+from fedsdk_coordinator.pki import DevPki, make_dev_pki
+from fedsdk_coordinator.provision.mosquitto import render_acl
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fedsdk.mosquitto import find_mosquitto
+from fedsdk_coordinator.mosquitto import find_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from brokers import find_mosquitto
-from fedsdk.loadtest import LoadConfig, analyse, main, run_load
+from fedsdk_bench.load import LoadConfig, analyse, main, run_load
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

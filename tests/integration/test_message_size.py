@@ -33,10 +33,7 @@ import brokers
 from brokers import EmbeddedBrokerThread, MosquittoProcess, Recorder, find_mosquitto, free_port
 from fedsdk._chunking import HEADER_SIZE
 from fedsdk.errors import TransportTimeout
-from fedsdk.mosquitto import LoopbackMosquitto
 from fedsdk.protocol.envelope import Limits
-from fedsdk.provision import Kit, fleet_from_mapping, load_kit, provision
-from fedsdk.provision.mosquitto import MOSQUITTO_CONF_TEMPLATE, render_mosquitto_conf
 from fedsdk.transport import (
     MAX_MESSAGE_BYTES,
     MAX_PACKET_BYTES,
@@ -44,6 +41,9 @@ from fedsdk.transport import (
     max_frame_bytes,
     max_packet_bytes,
 )
+from fedsdk_coordinator.mosquitto import LoopbackMosquitto
+from fedsdk_coordinator.provision import Kit, fleet_from_mapping, load_kit, provision
+from fedsdk_coordinator.provision.mosquitto import MOSQUITTO_CONF_TEMPLATE, render_mosquitto_conf
 
 pytestmark = pytest.mark.timeout(60)
 

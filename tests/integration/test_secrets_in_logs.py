@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedsdk.crypto import PaillierKeys, generate_backend
 from fedsdk.hekeys import save_he
-from fedsdk.pki import make_dev_pki
+from fedsdk_coordinator.pki import make_dev_pki
 
 pytestmark = pytest.mark.slow
 

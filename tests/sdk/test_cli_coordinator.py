@@ -18,11 +18,11 @@ import pytest
 from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store
 
-from fedsdk.cli._coord import free_port
-from fedsdk.cli.coordinator import dev_pki
-from fedsdk.provision import provision
-from fedsdk.provision.fleet import fleet_from_mapping
 from fedsdk.transport import MqttTransport, TlsConfig
+from fedsdk_coordinator.cli._coord import free_port
+from fedsdk_coordinator.cli.coordinator import dev_pki
+from fedsdk_coordinator.provision import provision
+from fedsdk_coordinator.provision.fleet import fleet_from_mapping
 from fedsdk_coordinator.store import Store as StateStore
 
 

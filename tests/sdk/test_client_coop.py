@@ -23,7 +23,6 @@ from brokers import MosquittoProcess
 from fedsdk.client import FedClient
 from fedsdk.crypto import generate_backend, load_backend
 from fedsdk.crypto.shares import ShareSealer
-from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import contribution_from_message, message_from_he_aggregate, unflatten
 from fedsdk.protocol import (
@@ -39,6 +38,7 @@ from fedsdk.protocol import (
 )
 from fedsdk.protocol import topics as T
 from fedsdk.transport import Message, MqttTransport
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 
 pytestmark = pytest.mark.timeout(180)
 SPEC = mlp(hidden=(8,))

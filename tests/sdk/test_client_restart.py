@@ -17,11 +17,11 @@ import pytest
 
 from brokers import MosquittoProcess
 from fedsdk.client import FedClient
-from fedsdk.model import build_graphs, init_params, mlp
 from fedsdk.model.data import load_digits
 from fedsdk.protocol import Aggregate, Hello, Report, Status, Task, Update, decode, encode
 from fedsdk.protocol import topics as T
 from fedsdk.transport import Message, MqttTransport
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 
 pytestmark = pytest.mark.timeout(120)
 SPEC = mlp(hidden=(8,))

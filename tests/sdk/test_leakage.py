@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from fedsdk.audit.analytic import first_layer_recoveries
 from fedsdk.audit.metrics import psnr
 from fedsdk.leakage import leak_packs, row_match_db
-from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, mlp
+from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import choose_mask, flatten
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 
 
 def test_row_match_is_the_affine_fit_psnr() -> None:

@@ -566,9 +566,9 @@ def test_benchmark_quick_writes_json(tmp_path: Path) -> None:
 
 # -- layer floors and the device's choice ---------------------------------------------------------------
 def test_linear_layers_from_shapes_match_the_model_specs() -> None:
-    from fedsdk.audit.forward import first_linear, last_linear
     from fedsdk.masking import linear_layers
-    from fedsdk.model import lenet, mlp
+    from fedsdk_coordinator.audit.forward import first_linear, last_linear
+    from fedsdk_coordinator.models import lenet, mlp
 
     for spec in (mlp(), mlp(hidden=(16,)), lenet()):
         found = linear_layers([tuple(s) for s in spec.param_shapes])
@@ -578,7 +578,7 @@ def test_linear_layers_from_shapes_match_the_model_specs() -> None:
 
 def test_floor_packs_cover_exactly_the_named_layers() -> None:
     from fedsdk.masking import floor_packs
-    from fedsdk.model import lenet
+    from fedsdk_coordinator.models import lenet
 
     shapes = [tuple(s) for s in lenet().param_shapes]  # convs 60 + 880 values, then Linear 64->120 at 940
     first = floor_packs(shapes, ["first-linear"], 1)

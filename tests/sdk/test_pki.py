@@ -1,4 +1,4 @@
-"""fedsdk.pki: certificate contents, chain verification, a real TLS handshake, file modes."""
+"""fedsdk_coordinator.pki: certificate contents, chain verification, a real TLS handshake, file modes."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from fedsdk.errors import ConfigError
-from fedsdk.pki import (
+from fedsdk_coordinator.pki import (
     SPIFFE_DOMAIN,
     DevPki,
     broker_sans,

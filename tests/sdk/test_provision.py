@@ -1,6 +1,6 @@
-"""fedsdk.provision and ``fedsdk provision``: fleet files, the fleet directory, kits, HE key placement, the
-CRL, add-device / revoke, the CLI, and the certs/ templates. No broker here (tests/integration/test_acl.py
-runs the generated mosquitto configuration)."""
+"""fedsdk_coordinator.provision and ``fedsdk provision``: fleet files, the fleet directory, kits, HE key
+placement, the CRL, add-device / revoke, the CLI, and the certs/ templates. No broker here
+(tests/integration/test_acl.py runs the generated mosquitto configuration)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fedsdk.cli import main
 from fedsdk.errors import ConfigError, CryptoError, KeyMismatchError
 from fedsdk.hekeys import load_he
-from fedsdk.pki import make_dev_pki
-from fedsdk.provision import (
+from fedsdk_coordinator.pki import make_dev_pki
+from fedsdk_coordinator.provision import (
     ACL_TEMPLATE,
     MOSQUITTO_CONF_TEMPLATE,
     Fleet,
@@ -39,7 +39,7 @@ from fedsdk.provision import (
     revoked_serials,
     rotate_he,
 )
-from fedsdk.provision.build import open_fleet_dir
+from fedsdk_coordinator.provision.build import open_fleet_dir
 
 CERTS = Path(__file__).resolve().parents[2] / "certs"
 

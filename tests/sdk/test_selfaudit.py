@@ -19,10 +19,11 @@ import pytest
 
 from fedsdk.client import FedClient
 from fedsdk.errors import ConfigError, FedError, UpdateWithheld
-from fedsdk.model import OnnxModel, OnnxTrainer, build_graphs, init_params, mlp
+from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_label_skew
 from fedsdk.pipeline import flatten
 from fedsdk.selfaudit import check_threshold, not_applicable, self_audit
+from fedsdk_coordinator.models import build_graphs, init_params, mlp
 
 HAND_SHAPES = [(3, 4), (3,), (2, 3), (2,)]
 

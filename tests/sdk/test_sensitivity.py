@@ -104,8 +104,9 @@ def test_non_finite_inputs_are_training_errors(bad: float) -> None:
 
 def _real_model() -> tuple[Any, list[np.ndarray], np.ndarray, np.ndarray]:
     try:
-        from fedsdk.model import OnnxModel, build_graphs, init_params, mlp
+        from fedsdk.model import OnnxModel
         from fedsdk.model.data import load_digits
+        from fedsdk_coordinator.models import build_graphs, init_params, mlp
     except ImportError as exc:  # pragma: no cover - fedsdk.model is built by another part of the project
         pytest.skip(f"fedsdk.model does not import yet ({exc}); the real-model test needs it")
     spec = mlp(64, (32,), 10)

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from brokers import MosquittoProcess, start_amqtt
 from fedsdk._chunking import HEADER, HEADER_SIZE, MAGIC, Reassembler, SlotPool, parse_frame, split_payload
 from fedsdk.errors import ConfigError, ConnectError, StateError, TransportClosed, TransportTimeout
-from fedsdk.pki import DevPki, make_dev_pki
 from fedsdk.transport import Message, MqttTransport, TlsConfig, parse_broker_url
+from fedsdk_coordinator.pki import DevPki, make_dev_pki
 
 pytestmark = pytest.mark.timeout(60)
 WAIT = 20.0  # upper bound of any single wait on a message in these tests

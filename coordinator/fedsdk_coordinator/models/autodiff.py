@@ -20,7 +20,7 @@ import numpy as np
 
 from fedsdk.errors import ConfigError
 from fedsdk.model.bundle import EVAL_OUTPUT, GRAD_PREFIX, LOSS_OUTPUT, MASK_PREFIX, META_DROPOUT
-from fedsdk.model.graphwriter import IR_VERSION, OPSET, GraphWriter, Shape, softmax_cross_entropy
+from fedsdk_coordinator.models.graphwriter import IR_VERSION, OPSET, GraphWriter, Shape, softmax_cross_entropy
 from fedsdk_coordinator.models.rules import RULES, Node, maxpool_tiles
 
 __all__ = ["DIFFERENTIABLE", "IR_VERSION", "OPSET", "Plan", "eval_graph", "train_graph"]

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk.errors import ConfigError
-from fedsdk.model.graphwriter import Shape
+from fedsdk_coordinator.models.graphwriter import Shape
 
 __all__ = ["REWRITTEN", "infer_shapes", "rewrite_normalizations", "split_deduplicated"]
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsdk.model.graphwriter import GraphWriter
+from fedsdk_coordinator.models.graphwriter import GraphWriter
 
 __all__ = ["RULES", "Node", "Rule", "conv_weight_form", "maxpool_tiles"]
 

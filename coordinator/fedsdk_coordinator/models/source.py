@@ -6,9 +6,9 @@ bundled digits; a model from a file is evaluated by the devices only (on their h
 coordinator is given data for it, because the bundled digits say nothing about a user's model.
 
 A spec file is the JSON (``.json``) or TOML (``.toml``, Python ≥ 3.11) form of
-:meth:`fedsdk.model.ModelSpec.to_dict`: ``input_shape``, ``num_classes`` and ``layers``, each a table with
-``type`` (the layer class, e.g. ``Linear``) and the layer's PyTorch-named arguments; its weights are
-initialised like the presets'.
+:meth:`fedsdk_coordinator.models.ModelSpec.to_dict`: ``input_shape``, ``num_classes`` and ``layers``, each a
+table with ``type`` (the layer class, e.g. ``Linear``) and the layer's PyTorch-named arguments; its weights
+are initialised like the presets'.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any, Literal
 import numpy as np
 
 from fedsdk.errors import ConfigError
-from fedsdk.model import GraphBundle, ModelSpec, build_graphs, init_params, preset
+from fedsdk.model import GraphBundle
+from fedsdk_coordinator.models import ModelSpec, build_graphs, init_params, preset
 
 __all__ = ["ModelSource", "load_model"]
 

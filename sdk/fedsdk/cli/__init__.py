@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import importlib
 import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from fedsdk import __version__
 from fedsdk.errors import ConfigError, ConnectError, FedError
@@ -25,20 +27,64 @@ __all__ = ["main"]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONNECT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-def _parser() -> argparse.ArgumentParser:
-    from fedsdk.cli import audit, bench, coordinator, demo, join, keyserver, profile, provision
+DEVICE_COMMANDS = ("join", "profile", "bench")
+# The operator's commands live with the coordinator (fedsdk_coordinator.cli); a device running one of its own
+# commands does not import them, and a device install without them says what to install.
+OPERATOR_COMMANDS = {
+    "coordinator": "run the coordinator",
+    "keyserver": "decrypt cluster aggregates for the devices",
+    "demo": "run a federation of local device processes",
+    "provision": "make a fleet's CA, broker config, HE keys and kits",
+    "audit": "attack this device's own update and measure protection",
+}
+COORDINATOR_EXTRA = "pip install 'fedsdk[coordinator]'"
+
+
+def _operator_command(name: str) -> Any:
+    """The module of operator command ``name``; ConfigError naming the extra when it is not installed."""
+    try:
+        return importlib.import_module(f"fedsdk_coordinator.cli.{name}")
+    except ImportError as exc:
+        raise ConfigError(
+            f"'fedsdk {name}' runs on the operator's machine and needs the coordinator side, which is not "
+            f"installed here ({exc}): {COORDINATOR_EXTRA}"
+        ) from exc
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (its first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    from fedsdk.cli import bench, join, profile
 
     p = argparse.ArgumentParser(prog="fedsdk", description="Federated learning with selective HE over MQTT")
     p.add_argument("--version", action="version", version=f"fedsdk {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True)
-    for mod in (join, coordinator, keyserver, demo, profile, bench, provision, audit):
-        mod.add_parser(sub)
+    join.add_parser(sub)
+    if command not in DEVICE_COMMANDS:
+        for name, what in OPERATOR_COMMANDS.items():
+            try:
+                _operator_command(name).add_parser(sub)
+            except ConfigError:  # listed in the help; running it says what to install (main)
+                sub.add_parser(name, help=f"{what} (not installed: {COORDINATOR_EXTRA})")
+    profile.add_parser(sub)
+    bench.add_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = _command(words)
+    if command in OPERATOR_COMMANDS:
+        try:
+            _operator_command(command)
+        except ConfigError as exc:
+            print(f"fedsdk: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    args = _parser(command).parse_args(words)
     level = logging.WARNING - 10 * min(int(args.verbose), 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level > logging.INFO:  # one line per round (coordinator and devices) even at default verbosity

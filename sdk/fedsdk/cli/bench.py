@@ -13,7 +13,9 @@ import argparse
 import importlib
 from typing import Any
 
-BENCHMARKS = {"crypto": "fedsdk.crypto.bench", "load": "fedsdk.loadtest", "fleet": "fedsdk.fleetbench"}
+from fedsdk.errors import ConfigError
+
+BENCHMARKS = {"crypto": "fedsdk.crypto.bench", "load": "fedsdk_bench.load", "fleet": "fedsdk_bench.fleet"}
 
 
 def add_parser(sub: Any) -> None:
@@ -29,5 +31,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(BENCHMARKS[args.what])
+    try:
+        module = importlib.import_module(BENCHMARKS[args.what])
+    except ImportError as exc:  # a device install: the harnesses ship with the coordinator side
+        raise ConfigError(
+            f"'fedsdk bench {args.what}' needs the benchmark harness and the coordinator side, which are not "
+            f"installed here ({exc}): pip install 'fedsdk[coordinator]'"
+        ) from exc
     return int(module.main(list(args.rest)))

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     x, y = load_data(args.data, label_columns=labels)
     kit = None
     if args.kit:
-        from fedsdk.provision import load_kit
+        from fedsdk.kit import load_kit
 
         kit = load_kit(args.kit)
     broker = args.broker or (kit.broker_url if kit else None)

@@ -1,52 +1,15 @@
-"""Device training engine: layer specs, ONNX training-step graphs, their onnxruntime executor, SGD.
+"""Device training engine: the ONNX training-step graphs a device receives, their onnxruntime executor, SGD,
+and the local data (``fedsdk.model.data``). Needs only numpy and onnxruntime.
 
-``build_graphs`` (coordinator side) imports the ``onnx`` package when called; everything else needs only
-numpy and onnxruntime, so a device can run graphs it receives as bytes without onnx installed.
-See ``docs/training.md``.
+The graphs are built on the coordinator's side (``fedsdk_coordinator.models``: layer specs, presets,
+``build_graphs``, ONNX import). See ``docs/training.md``.
 """
 
 from __future__ import annotations
 
-from fedsdk.model.builder import build_graphs
 from fedsdk.model.bundle import GraphBundle
 from fedsdk.model.executor import OnnxModel
-from fedsdk.model.layers import (
-    AvgPool2d,
-    Conv2d,
-    Dropout,
-    Flatten,
-    Layer,
-    Linear,
-    MaxPool2d,
-    ModelSpec,
-    ReLU,
-    init_params,
-    lenet,
-    mlp,
-    preset,
-)
 from fedsdk.model.optim import SGD
 from fedsdk.model.trainer import OnnxTrainer, Trainer, TrainResult
 
-__all__ = [
-    "SGD",
-    "AvgPool2d",
-    "Conv2d",
-    "Dropout",
-    "Flatten",
-    "GraphBundle",
-    "Layer",
-    "Linear",
-    "MaxPool2d",
-    "ModelSpec",
-    "OnnxModel",
-    "OnnxTrainer",
-    "ReLU",
-    "TrainResult",
-    "Trainer",
-    "build_graphs",
-    "init_params",
-    "lenet",
-    "mlp",
-    "preset",
-]
+__all__ = ["SGD", "GraphBundle", "OnnxModel", "OnnxTrainer", "TrainResult", "Trainer"]

@@ -1,7 +1,7 @@
 """The pair of ONNX graphs a federation trains, as bytes plus the parameter layout (no onnx import).
 
-A :class:`GraphBundle` is what the coordinator builds once (:func:`fedsdk.model.build_graphs`) and ships
-to devices; the weights travel separately as numpy arrays in ``param_names`` order. Both graphs take
+A :class:`GraphBundle` is what the coordinator builds once (:func:`fedsdk_coordinator.models.build_graphs`)
+and ships to devices; the weights travel separately as numpy arrays in ``param_names`` order. Both graphs take
 the parameters as graph *inputs*, never initializers, so the bytes stay small (a few kB) and do not change
 when the weights do: ``model_id`` identifies the architecture, not a checkpoint.
 """

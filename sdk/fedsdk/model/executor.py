@@ -1,9 +1,10 @@
 """Run a training-step graph and an evaluation graph with stock onnxruntime (device side; no onnx import).
 
-The graphs come as bytes (see :mod:`fedsdk.model.builder`); this module needs only ``onnxruntime`` and
-``numpy``. One ``InferenceSession`` per graph is created once and reused; both run on the CPU execution
-provider with graph optimisation level ALL and, by default, one intra-op thread (a device may run several
-processes on two cores). Parameters are fed as plain numpy arrays, which onnxruntime reads in place.
+The graphs come as bytes (see :mod:`fedsdk_coordinator.models.builder`); this module needs only
+``onnxruntime`` and ``numpy``. One ``InferenceSession`` per graph is created once and reused; both run on the
+CPU execution provider with graph optimisation level ALL and, by default, one intra-op thread (a device may
+run several processes on two cores). Parameters are fed as plain numpy arrays, which onnxruntime reads in
+place.
 
 Dropout masks (graph inputs ``dropout_mask.<layer>``, see the builder) are drawn here from a numpy
 generator: ``keep ~ Bernoulli(1-p)``, ``mask = keep / (1-p)``.

@@ -7,8 +7,9 @@ from typing import Literal
 
 import numpy as np
 
-from fedsdk.model import ModelSpec, OnnxModel, build_graphs, init_params
+from fedsdk.model import OnnxModel
 from fedsdk.model.data import Dataset, load_digits
+from fedsdk_coordinator.models import ModelSpec, build_graphs, init_params
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from audit_presets import Preset, make_preset
 
-from fedsdk.model import lenet, mlp
+from fedsdk_coordinator.models import lenet, mlp
 
 
 @pytest.fixture(scope="module")

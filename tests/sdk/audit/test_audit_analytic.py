@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from audit_presets import Preset
 
-from fedsdk.audit import (
+from fedsdk.errors import ConfigError
+from fedsdk_coordinator.audit import (
     first_linear,
     invert_linear,
     layer_input,
@@ -15,7 +16,6 @@ from fedsdk.audit import (
     psnr,
     single_step,
 )
-from fedsdk.errors import ConfigError
 
 
 def _visible(p: Preset, index: int, hidden_fn=None):  # type: ignore[no-untyped-def]

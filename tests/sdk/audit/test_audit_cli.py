@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedsdk.audit import AuditConfig, run_audit, torch_available
 from fedsdk.cli import main
+from fedsdk_coordinator.audit import AuditConfig, run_audit, torch_available
 
 
 def test_cli_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,9 +9,17 @@ import numpy as np
 import pytest
 from audit_presets import Preset
 
-from fedsdk.audit import AuditConfig, InversionConfig, invert_gradients, observe, psnr, run_audit, single_step
-from fedsdk.audit import torch_available as audit_torch_available
 from fedsdk.errors import ConfigError
+from fedsdk_coordinator.audit import (
+    AuditConfig,
+    InversionConfig,
+    invert_gradients,
+    observe,
+    psnr,
+    run_audit,
+    single_step,
+)
+from fedsdk_coordinator.audit import torch_available as audit_torch_available
 
 
 def _grads(

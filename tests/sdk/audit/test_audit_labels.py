@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from audit_presets import Preset
 
-from fedsdk.audit import (
+from fedsdk_coordinator.audit import (
     ilrg_counts,
     label_scores,
     last_linear,

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from fedsdk.audit import capped_mean, global_ssim, label_scores, psnr, ssim
 from fedsdk.errors import ConfigError
+from fedsdk_coordinator.audit import capped_mean, global_ssim, label_scores, psnr, ssim
 
 C1, C2 = (0.01 * 1.0) ** 2, (0.03 * 1.0) ** 2
 

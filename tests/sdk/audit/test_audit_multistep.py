@@ -11,12 +11,12 @@ from audit_presets import Preset
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedsdk.audit.inversion import InversionConfig, invert_local_training
-from fedsdk.audit.labels import momentum_gain, update_label_counts
 from fedsdk.audit.metrics import psnr
 from fedsdk.errors import ConfigError
 from fedsdk.model import OnnxTrainer
 from fedsdk.model.data import partition_label_skew
+from fedsdk_coordinator.audit.inversion import InversionConfig, invert_local_training
+from fedsdk_coordinator.audit.labels import momentum_gain, update_label_counts
 
 
 def test_momentum_gain_by_hand() -> None:

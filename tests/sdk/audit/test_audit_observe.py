@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from audit_presets import Preset
 
-from fedsdk.audit import (
+from fedsdk.errors import ConfigError
+from fedsdk.masking import MaskConfig, solve_mask
+from fedsdk_coordinator.audit import (
     device_mask,
     first_linear,
     mask_shape,
@@ -17,8 +19,6 @@ from fedsdk.audit import (
     ratio_count,
     single_step,
 )
-from fedsdk.errors import ConfigError
-from fedsdk.masking import MaskConfig, solve_mask
 
 
 def test_one_plain_sgd_step_is_minus_lr_times_the_gradient(mlp_preset: Preset) -> None:

@@ -17,9 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-from fedsdk.audit import SentAuditConfig, null_scores, run_sent_audit, score_samples
 from fedsdk.audit.analytic import first_layer_recoveries
 from fedsdk.model.data import load_digits, partition_label_skew
+from fedsdk_coordinator.audit import SentAuditConfig, null_scores, run_sent_audit, score_samples
 
 
 def test_null_attacker_and_recovered_count_by_hand() -> None:
@@ -119,7 +119,7 @@ def test_inverting_gradients_on_the_sent_update_is_scored_per_sample_or_skipped_
 
 
 def test_the_worst_case_verdict_counts_a_single_recovered_sample_whatever_the_mean() -> None:
-    from fedsdk.audit import AuditConfig, AuditReport, Row, SampleScores
+    from fedsdk_coordinator.audit import AuditConfig, AuditReport, Row, SampleScores
 
     def row(name: str, scores: list[float]) -> Row:
         return Row(name, None, None, tuple(SampleScores(0.1, dlg_psnr=v) for v in scores))

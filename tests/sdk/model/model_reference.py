@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fedsdk.model import AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from fedsdk_coordinator.models import AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 
 def _windows(x: np.ndarray, k: tuple[int, int], s: tuple[int, int], p: tuple[int, int], fill: float):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from fedsdk.errors import ConfigError
-from fedsdk.model import OnnxModel, build_graphs, init_params, lenet, mlp
+from fedsdk.model import OnnxModel
 from fedsdk.model.export import export_onnx, write_onnx
+from fedsdk_coordinator.models import build_graphs, init_params, lenet, mlp
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

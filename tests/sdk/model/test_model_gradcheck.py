@@ -23,7 +23,8 @@ import pytest
 from model_reference import assert_grads_close, cross_entropy, fd_gradient, forward
 
 from fedsdk.errors import ConfigError
-from fedsdk.model import (
+from fedsdk.model import OnnxModel
+from fedsdk_coordinator.models import (
     AvgPool2d,
     Conv2d,
     Dropout,
@@ -31,12 +32,11 @@ from fedsdk.model import (
     Linear,
     MaxPool2d,
     ModelSpec,
-    OnnxModel,
     ReLU,
     build_graphs,
     init_params,
 )
-from fedsdk.model import builder as builder_module
+from fedsdk_coordinator.models import builder as builder_module
 
 FLOAT64_SPECS = {
     "loss_linear": ModelSpec((Linear(5, 4),), (5,), 4),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedsdk.errors import ConfigError
-from fedsdk.model import (
+from fedsdk_coordinator.models import (
     AvgPool2d,
     Conv2d,
     Dropout,

@@ -6,19 +6,9 @@ import numpy as np
 import pytest
 
 from fedsdk.errors import ConfigError, TrainingError
-from fedsdk.model import (
-    SGD,
-    GraphBundle,
-    OnnxModel,
-    OnnxTrainer,
-    Trainer,
-    TrainResult,
-    build_graphs,
-    init_params,
-    lenet,
-    mlp,
-)
+from fedsdk.model import SGD, GraphBundle, OnnxModel, OnnxTrainer, Trainer, TrainResult
 from fedsdk.model.data import load_digits
+from fedsdk_coordinator.models import build_graphs, init_params, lenet, mlp
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +186,7 @@ def test_trainer_rejects_bad_settings(mlp_bundle: GraphBundle) -> None:
 
 def test_graphs_agree_with_pytorch_when_available(lenet_bundle: GraphBundle) -> None:
     torch = pytest.importorskip("torch")
-    from fedsdk.model.torch_bridge import from_torch, to_torch
+    from fedsdk_coordinator.models.torch_bridge import from_torch, to_torch
 
     spec = lenet()
     params = init_params(spec, 3)

@@ -1,0 +1,131 @@
+"""The fleet benchmark's text outputs: the Markdown report and the JSON of every number (plots:
+:mod:`fedsdk_bench.fleet.plots`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fedsdk_bench.fleet.metrics import SPLIT
+from fedsdk_bench.fleet.targets import Check
+
+__all__ = ["markdown", "write_json"]
+
+
+def _f(v: float | None, fmt: str = ".3f") -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _kb(v: float | None) -> str:
+    return "–" if v is None else f"{v / 1000:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f}"
+
+
+def _scenario_tables(sc: dict[str, Any]) -> list[str]:
+    arms: list[dict[str, Any]] = sc["arms"]
+    plain = next((a for a in arms if a["strategy"] == "plaintext" and a["mean_round_s"]), None)
+    he = next((a for a in arms if a["strategy"] == "plain-he" and a["mean_round_s"]), None)
+    groups = sorted({g for a in arms for g in a["final_accuracy_per_group"]}, key=int)
+    out = [
+        f"### {sc['name']}: {sc['title']} ({sc['source']}; {sc['n_devices']} devices, "
+        f"S = {sc.get('time_scale', '?')})",
+        "",
+        "| arm | state | round s | ÷ plaintext | plain-he ÷ | spread | HE spread | update s min/mean/max | "
+        "kB up | kB down | enc % | union % | " + " | ".join(f"acc g{g} %" for g in groups) + " | overrun % |",
+        "|---" * (13 + len(groups)) + "|",
+    ]
+    for a in arms:
+        r = a["mean_round_s"]
+        u = a["update_s"]
+        out.append(
+            f"| {a['label']} | {a['state']} | {_f(r)} | "
+            f"{_f(r / plain['mean_round_s'] if r and plain else None, '.2f')} | "
+            f"{_f(he['mean_round_s'] / r if r and he else None, '.1f')} | {_f(a['spread'], '.2f')} | "
+            f"{_f(a.get('he_spread'), '.2f')} | "
+            f"{_f(u['min'])}/{_f(u['mean'])}/{_f(u['max'])} | "
+            f"{_kb(a['bytes_up'])} | {_kb(a['bytes_down'])} | "
+            f"{_pct(a['encrypted_ratio'])} | {_pct(a['union_ratio'])} | "
+            + " | ".join(_pct(a["final_accuracy_per_group"].get(g)) for g in groups)
+            + f" | {_pct(a['emulation']['overrun_fraction'])} |"
+        )
+    out += [
+        "",
+        "Mean device time split, seconds per round (rounds 2…R):",
+        "",
+        "| arm | " + " | ".join(SPLIT) + " | critical path: devices / aggregate / apply / coordinator |",
+        "|---" * (len(SPLIT) + 2) + "|",
+    ]
+    for a in arms:
+        cp = " / ".join(_f(a["critical_path"][k]) for k in ("devices", "aggregate", "apply", "coordinator"))
+        out.append(f"| {a['label']} | " + " | ".join(_f(a["split"].get(k)) for k in SPLIT) + f" | {cp} |")
+    factors = sorted({round(d["speed_factor"], 2) for a in arms for d in a["devices"].values()})
+    if len(factors) > 1:
+        out += [
+            "",
+            "Mean update time (s) and encrypted % by compute speed factor f:",
+            "",
+            "| arm | " + " | ".join(f"f={f:g}" for f in factors) + " |",
+            "|---" * (len(factors) + 1) + "|",
+        ]
+        for a in arms:
+            cells = []
+            for f in factors:
+                ds = [d for d in a["devices"].values() if round(d["speed_factor"], 2) == f and d["update_s"]]
+                if ds:
+                    up = sum(d["update_s"] for d in ds) / len(ds)
+                    enc = sum(d["encrypted_ratio"] or 0.0 for d in ds) / len(ds)
+                    cells.append(f"{up:.3f} ({100 * enc:.0f}%)")
+                else:
+                    cells.append("–")
+            out.append(f"| {a['label']} | " + " | ".join(cells) + " |")
+    notes = [f"{a['label']}: {a['error']}" for a in arms if a.get("error")] + [
+        f"{a['label']}: budgets aimed at {a['target_round_s']:.3f} s" for a in arms if a.get("target_round_s")
+    ]
+    notes += [f"{a['label']}: uniform α = {a['uniform_budget']:.3f}" for a in arms if a.get("uniform_budget")]
+    notes += [
+        f"{a['label']}: {len(set(a['clusters'].values()))} clusters, ARI {_f(a['ari'], '.2f')}, "
+        f"sketch round {_f(a['sketch_s'])} s"
+        for a in arms
+        if a["clusters"]
+    ]
+    if notes:
+        out += ["", *(f"- {n}" for n in notes)]
+    return [*out, ""]
+
+
+def markdown(doc: dict[str, Any], checks: list[Check]) -> str:
+    """The whole report: settings, one section per scenario, then the targets."""
+    cfg = doc["config"]
+    lines = [
+        "# Fleet benchmark",
+        "",
+        f"Run {doc['started']} on {doc['machine']}; {doc['elapsed_s']:.0f} s in all.",
+        f"Model `{cfg['model']}` ({doc.get('n_values', '?')} values), {cfg['rounds']} rounds, "
+        f"{cfg['epochs']} local epochs, Paillier keys of {cfg['key_bits']} bits, obfuscator pool "
+        f"{cfg['pool']} for `fedsdk`, mask policy {cfg.get('mask_policy')} "
+        f"(B {cfg.get('mask_B') or 'default'}, C {cfg.get('mask_C') or 'default'}). "
+        "Time scale S per scenario: the fastest emulated device "
+        "computes at 1/S of one core of this machine.",
+        "",
+    ]
+    for sc in doc["scenarios"]:
+        lines += _scenario_tables(sc)
+    lines += [
+        "## Targets",
+        "",
+        "| scenario | arm | target | value | bound | result | detail |",
+        "|---" * 7 + "|",
+    ]
+    for c in checks:
+        res = "n/a" if c.passed is None else ("pass" if c.passed else "MISS")
+        cells = [c.scenario, c.arm, c.target, _f(c.value, ".3f"), f"{c.bound:g}", res, c.detail]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")

@@ -1,0 +1,87 @@
+"""One device-worker process of the fleet benchmark: several emulated devices in one asyncio loop.
+
+``python -m fedsdk_bench.fleet.worker SPEC.json`` reads a spec written by the runner::
+
+    {"broker_url": "mqtt://127.0.0.1:PORT", "federation": "...", "time_scale": 12.0, "timeout": 3600,
+     "out": "devices-0.json",
+     "devices": [{"profile": {...DeviceProfile...}, "data": "dev-00.npz", "eval": "dev-00-eval.npz",
+                  "he_dir": null | "he/device", "pool": 0}, ...]}
+
+runs every device until the coordinator finishes (or the timeout), and writes one JSON list with each
+device's :meth:`EmulatedClient.result`. The default executor gets a thread per device and then some:
+emulated steps sleep in it, and asyncio's default (cores + 4) would serialise them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+from fedsdk.heap import freeze_long_lived
+from fedsdk.hekeys import load_he
+from fedsdk.model.data import load_npz
+from fedsdk_bench.fleet.emulation import EmulatedClient
+from fedsdk_bench.fleet.scenarios import DeviceProfile
+
+__all__ = ["main", "run_devices"]
+
+log = logging.getLogger("fedsdk_bench.fleet.worker")
+
+
+async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Open every device of ``spec``, run them together, return their results (module docstring)."""
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max_workers=2 * len(spec["devices"]) + 4, thread_name_prefix="emu")
+    loop.set_default_executor(executor)
+    clients: list[EmulatedClient] = []
+    for d in spec["devices"]:
+        profile = DeviceProfile(**d["profile"])
+        data = load_npz(d["data"])
+        eval_data = load_npz(d["eval"]) if d.get("eval") else None
+        he = load_he(d["he_dir"]) if d.get("he_dir") else None
+        clients.append(
+            EmulatedClient(
+                spec["broker_url"],
+                profile=profile,
+                time_scale=float(spec["time_scale"]),
+                pool_capacity=int(d.get("pool", 0)),
+                he=he,
+                federation=spec["federation"],
+                data=data,
+                eval_data=eval_data,
+                insecure=True,
+                timeout=float(spec.get("mqtt_timeout", 30.0)),
+            )
+        )
+    async with AsyncExitStack() as stack:
+        for c in clients:
+            await stack.enter_async_context(c)
+        freeze_long_lived()  # as fedsdk join does (heap.py)
+        await asyncio.gather(*(c.run(timeout=float(spec["timeout"])) for c in clients))
+    return [c.result() for c in clients]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedsdk_bench.fleet.worker", description=__doc__)
+    p.add_argument("spec", type=Path)
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(int(args.verbose), 2),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    spec = json.loads(args.spec.read_text(encoding="utf-8"))
+    results = asyncio.run(run_devices(spec))
+    Path(spec["out"]).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return 0 if all(r["state"] == "finished" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
