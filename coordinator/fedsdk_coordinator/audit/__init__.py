@@ -5,6 +5,9 @@ truth: analytic reconstruction of the first fully connected layer's input, label
 layer (iDLG / iLRG), optimisation-based inversion (Inverting Gradients, with the optional PyTorch), and the
 encryption mask itself read as an image (a side channel of magnitude-ranked masks).
 Protection is measured, not assumed. See ``docs/audit.md``.
+
+The analytic attack and the image metrics are the device's (``fedsdk.audit``: its self-audit runs them before
+an update leaves) and are re-exported here; the rest needs the operator's machine (PyTorch for inversion).
 """
 
 from __future__ import annotations
