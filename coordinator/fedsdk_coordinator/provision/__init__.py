@@ -9,6 +9,7 @@ the coordinator or the key server uses to read its own kit. ``certs/README.md`` 
 
 from __future__ import annotations
 
+from fedsdk.kit import KIT_FILE, ROLES, HEMaterial, Kit, load_kit, read_he, write_he
 from fedsdk_coordinator.provision.build import (
     DeviceReport,
     ProvisionReport,
@@ -27,16 +28,7 @@ from fedsdk_coordinator.provision.fleet import (
     fleet_from_mapping,
     load_fleet,
 )
-from fedsdk_coordinator.provision.kit import (
-    KIT_FILE,
-    ROLES,
-    HEMaterial,
-    Kit,
-    load_kit,
-    read_he,
-    write_he,
-    write_kit,
-)
+from fedsdk_coordinator.provision.kit import write_kit
 from fedsdk_coordinator.provision.ledger import IssuedCert, Ledger
 from fedsdk_coordinator.provision.mosquitto import (
     ACL_TEMPLATE,

@@ -9,7 +9,7 @@ or the key server)::
     he/                        the operator's copy of the HE keys: he.json, he_public.bin and, in key mode
                                shared only, he_secret.bin (0600) so add-device can give new devices the key
     broker/                    ca.pem, server.pem, server.key (0600), crl.pem, mosquitto.conf, acl
-    coordinator/               kit (see fedsdk_coordinator.provision.kit): public HE key only
+    coordinator/               kit (see fedsdk.kit): public HE key only
     keyserver/                 kit, key mode keyserver only: public and secret HE key
     devices/<id>/              kit per device; the secret HE key only in key mode shared
 
@@ -38,11 +38,12 @@ from typing import Any
 
 from fedsdk.crypto import generate_backend
 from fedsdk.errors import ConfigError, CryptoError
+from fedsdk.kit import HEMaterial, read_he, write_he
 from fedsdk.protocol.topics import validate_config_id
 from fedsdk_coordinator.pki import KeyPair, issue_cert, make_ca, write_private, write_public
 from fedsdk_coordinator.provision.crl import build_crl
 from fedsdk_coordinator.provision.fleet import RESERVED_IDS, Fleet, load_fleet
-from fedsdk_coordinator.provision.kit import HEMaterial, read_he, write_he, write_kit
+from fedsdk_coordinator.provision.kit import write_kit
 from fedsdk_coordinator.provision.ledger import Ledger
 from fedsdk_coordinator.provision.mosquitto import render_acl, render_mosquitto_conf
 

@@ -10,20 +10,10 @@ from typing import Any
 
 from fedsdk.errors import ConfigError
 from fedsdk.files import write_private, write_public
-from fedsdk.kit import KIT_FILE, KIT_FORMAT, ROLES, HEMaterial, Kit, load_kit, read_he, write_he
+from fedsdk.kit import KIT_FILE, KIT_FORMAT, ROLES, HEMaterial, write_he
 from fedsdk_coordinator.pki import KeyPair
 
-__all__ = [
-    "KIT_FILE",
-    "KIT_FORMAT",
-    "ROLES",
-    "HEMaterial",
-    "Kit",
-    "load_kit",
-    "read_he",
-    "write_he",
-    "write_kit",
-]
+__all__ = ["write_kit"]
 
 
 def write_kit(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsdk.errors import ConfigError
+from fedsdk.kit import KIT_FILE, HEMaterial, read_he, write_he
 from fedsdk.protocol.topics import validate_config_id
 from fedsdk_coordinator.pki import issue_cert, write_private, write_public
 from fedsdk_coordinator.provision.build import (
@@ -37,7 +38,6 @@ from fedsdk_coordinator.provision.build import (
     swap_in,
     write_crl,
 )
-from fedsdk_coordinator.provision.kit import KIT_FILE, HEMaterial, read_he, write_he
 
 __all__ = ["ReissueReport", "RotateHEReport", "reissue", "rotate_he"]
 
