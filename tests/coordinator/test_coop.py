@@ -28,9 +28,9 @@ def test_which_federations_split_the_decryption(
     tmp_path: Path, public: dict[str, HEBackend], strategy: str, backend: str | None, extra: dict, coop: bool
 ) -> None:
     e = make_engine(tmp_path, public[backend] if backend else None, strategy=strategy, **extra)
-    assert e.coop is coop
-    assert bool(e._shares(["d0", "d1", "d2"])) is coop
-    assert e._shares(["solo"]) == {}  # nobody to share with
+    assert e.strategy.coop is coop
+    assert bool(e.strategy.shares(["d0", "d1", "d2"], e.measured)) is coop
+    assert e.strategy.shares(["solo"], e.measured) == {}  # nobody to share with
 
 
 def test_asking_for_it_where_it_cannot_work_is_an_error(tmp_path: Path, public: dict[str, HEBackend]) -> None:

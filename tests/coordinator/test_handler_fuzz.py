@@ -525,7 +525,7 @@ def test_reports_measure_each_devices_decryption_of_the_union(tmp_path: Path, de
             live.engine.handle(T.up(FED, cid, T.REPORT), encode(report))
         live.finish()
         largest = max(len(range(i, packs, 3)) for i in range(3))
-        assert live.engine._union_factor[0] == pytest.approx(packs / largest)
+        assert live.engine.strategy.union_factor[0] == pytest.approx(packs / largest)
         # fedsdk's consensus for the next round: every pack has one vote, so the lowest m packs, m = the
         # largest mask's size; it rides in the next task's config
         task = decode(live.engine._task(2, 0, "d0", phase="train", budget=0.1))

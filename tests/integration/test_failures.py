@@ -189,7 +189,7 @@ async def test_a_stopped_device_says_goodbye_and_the_round_does_not_wait_for_it(
 
             def answered() -> bool:
                 nonlocal rnd
-                rnd = engine._rounds.get(0)
+                rnd = engine.open_rounds.get(0)
                 return rnd is not None and {"fast0", "fast1"} <= set(rnd.replies)
 
             await until(answered, "the fast devices' updates")

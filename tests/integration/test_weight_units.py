@@ -65,7 +65,7 @@ async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_p
             async with clients[0], clients[1], clients[2]:
                 summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
             plans = engine.store.round_plans(1)
-            replies = {cid: engine._rounds[0].replies.get(cid) for cid in ("d0", "d1", "d2")}
+            replies = {cid: engine.open_rounds[0].replies.get(cid) for cid in ("d0", "d1", "d2")}
     assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
     assert [p.weight_unit for p in plans] == [unit]  # planned and persisted with the round
     weights = {cid: msg.weight for cid, msg in replies.items() if msg is not None}

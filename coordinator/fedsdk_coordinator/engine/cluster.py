@@ -1,0 +1,152 @@
+"""One cluster's round, from its tasks to its record in the store: send the tasks, collect replies until
+every participant answered or the deadline (and one more deadline of grace while the quorum is missing),
+aggregate with the strategy, store the aggregate before it is published, wait for the devices' reports.
+
+A round whose aggregate a previous instance stored is not aggregated again: the stored aggregate is
+published again (devices apply a round once) and the round closes once the devices hold it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedsdk.coop import part_ranks
+from fedsdk.errors import FedError
+from fedsdk.protocol import Error
+from fedsdk_coordinator.engine.state import RoundState, wait, wait_with_grace
+from fedsdk_coordinator.evaluation import describe_evaluation, federated_metrics
+from fedsdk_coordinator.failpoints import reached
+from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs
+
+if TYPE_CHECKING:
+    from fedsdk_coordinator.rounds import RoundEngine
+
+__all__ = ["run_cluster_round"]
+
+log = logging.getLogger("fedsdk_coordinator.rounds")
+progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
+
+
+async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
+    """Run ``rnd`` to its end; True when it produced an aggregate."""
+    c = e.config
+    round_id, cluster_id = rnd.round_id, rnd.cluster_id
+    stored = e.store.aggregate(cluster_id, round_id)
+    if stored is not None:
+        return await _resume_aggregated(e, rnd, stored)
+    await e.send_tasks(rnd)
+    reached("tasks_sent", round_id)
+    quorum = min(c.min_clients, len(rnd.participants))
+    valid = await _collect(e, rnd, quorum)
+    base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
+    if len(valid) < quorum:
+        log.error(
+            "round %d cluster %d failed: %d valid updates, quorum %d",
+            round_id,
+            cluster_id,
+            len(valid),
+            quorum,
+        )
+        e.store.finish_round(
+            round_id, cluster_id, state="failed", num_clients=len(valid), total_samples=0, metrics=base
+        )
+        return False
+    try:
+        agg = await _aggregate(e, rnd, valid)
+    except FedError as exc:
+        log.error("round %d cluster %d: aggregation failed: %s", round_id, cluster_id, exc)
+        e.store.finish_round(
+            round_id, cluster_id, state="failed", num_clients=0, total_samples=0, metrics=base
+        )
+        return False
+    rnd.check_reported()  # goodbyes said while the round was collecting
+    if not await wait(rnd.reported, c.report_timeout_s):
+        log.warning(
+            "round %d cluster %d: %d of %d reports", round_id, cluster_id, len(rnd.reports), len(valid)
+        )
+    metrics = dict(agg.metrics)
+    metrics.update(federated_metrics([r.metrics for r in rnd.reports.values()]))
+    ratios = [float(u.metrics.get("encrypted_ratio", 0.0)) for u in valid]
+    metrics.update(base, encrypted_ratio=float(np.mean(ratios)), round_s=time.monotonic() - rnd.sent_at)
+    e.store.finish_round(
+        round_id,
+        cluster_id,
+        state="done",
+        num_clients=agg.num_clients,
+        total_samples=agg.total_samples,
+        metrics=metrics,
+    )
+    progress.info(
+        "round %d cluster %d: %d updates, %s, %.0f%% encrypted, %.2f s",
+        round_id, cluster_id, agg.num_clients, describe_evaluation(metrics), 100 * metrics["encrypted_ratio"],
+        metrics["round_s"],
+    )  # fmt: skip
+    return True
+
+
+async def _collect(e: RoundEngine, rnd: RoundState, quorum: int) -> list[Any]:
+    await wait_with_grace(rnd.done, e.config.deadline_s, lambda: len(rnd.valid) >= quorum)
+    rnd.collecting = False
+    missing = rnd.participants - set(rnd.replies)
+    if missing:
+        log.warning(
+            "round %d cluster %d: no reply from %s", rnd.round_id, rnd.cluster_id, ", ".join(sorted(missing))
+        )
+    return rnd.valid
+
+
+async def _aggregate(e: RoundEngine, rnd: RoundState, valid: list[Any]) -> Aggregated:
+    """The strategy's aggregate, stored before it is published; under cooperative decryption, who will
+    share a part of its union and when the coordinator stops waiting for them (coop.py)."""
+    current = e.models.get(rnd.cluster_id, e.initial)
+    evaluate = e.evaluate if e.eval_data is not None else None
+    agg = await e.strategy.aggregate(rnd, valid, AggregationInputs(current, e.executor, evaluate))
+    if agg.weights is None:
+        e.store.save_encrypted(rnd.cluster_id, rnd.round_id, agg.envelope)
+    else:
+        e.store.save_aggregate(rnd.cluster_id, rnd.round_id, agg.envelope, agg.weights)
+    reached("aggregate_stored", rnd.round_id)
+    if agg.weights is not None:
+        e.models[rnd.cluster_id] = agg.weights
+    if rnd.shares:
+        for cid, (lo, hi) in rnd.shares.items():
+            a, b = part_ranks(lo, hi, rnd.union_packs)
+            if b > a:
+                rnd.share_expect.add(cid)
+        e.start_share_timer(rnd)
+    await e.publish_aggregate(rnd.cluster_id, agg.envelope, encrypted=agg.encrypted)
+    reached("aggregate_published", rnd.round_id)
+    return agg
+
+
+async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -> bool:
+    """A round whose aggregate the previous instance stored (and may have published): publish it again
+    (devices apply a round once) and close the round once every device whose update it holds has the model
+    (reported, or said in its hello that it applied the round), as an uninterrupted round does: the next
+    round's tasks must find every device back and holding this round's model."""
+    rnd.collecting = False
+    log.info("round %d cluster %d was aggregated before the restart", rnd.round_id, rnd.cluster_id)
+    await e.publish_aggregate(rnd.cluster_id, envelope, encrypted=e.he is not None)
+    rnd.check_reported()
+    timeout = e.config.report_timeout_s
+    if not await wait(rnd.reported, timeout):
+        unconfirmed = {c for c, r in rnd.replies.items() if not isinstance(r, Error)}
+        unconfirmed -= set(rnd.reports) | rnd.applied
+        log.warning(
+            "round %d cluster %d: %d devices did not confirm the aggregate within %.0f s",
+            rnd.round_id, rnd.cluster_id, len(unconfirmed), timeout,
+        )  # fmt: skip
+    if e.store.round_state(rnd.round_id, rnd.cluster_id) != "done":
+        valid = rnd.valid
+        e.store.finish_round(
+            rnd.round_id,
+            rnd.cluster_id,
+            state="done",
+            num_clients=len(valid),
+            total_samples=sum(int(getattr(u, "num_samples", 0)) for u in valid),
+            metrics={"resumed": 1, **{"budget_" + cid: b for cid, b in rnd.budgets.items()}},
+        )
+    return True

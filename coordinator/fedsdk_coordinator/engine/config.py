@@ -1,0 +1,69 @@
+"""A federation's round settings (:class:`RoundConfig`) and the checks that do not depend on its strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsdk._chunking import MAX_MESSAGE_BYTES
+from fedsdk.errors import ConfigError
+
+__all__ = ["RoundConfig", "check_config"]
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    federation: str = "default"
+    rounds: int = 5
+    min_clients: int = 2
+    start_clients: int = 0  # devices to wait for before the first round (at least min_clients)
+    deadline_s: float = 60.0
+    join_timeout_s: float = 600.0
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 32
+    epochs: int = 1
+    weight_decay: float = 0.0
+    seed: int = 0
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # the brokers fedsdk configures refuse larger PUBLISHes
+    strategy: str = "plaintext"
+    clustering: bool | None = None  # None: the strategy's default
+    key_mode: str = "shared"  # shared | keyserver
+    uniform_budget: float = 0.1  # maskcrypt's α
+    budget_floor: float = 0.0
+    budget_cap: float = 1.0  # no device's α above this (sensecrypt and deadline budgets; for measurements)
+    target_round_s: float | None = None  # the time the deadline budgets aim at (default: deadline_s)
+    metric: str = "wg"
+    mask_beta1: float = 1.0
+    mask_beta2: float = 1.0
+    mask_B: float = 1.5
+    mask_C: float = 0.3
+    mask_eta_mi: float = 2.0
+    mask_policy: str = "security-first"
+    mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
+    mask_fill: bool | None = None  # None: the strategy's default (encrypt all the budget allows)
+    mask_leak_db: float | None = None  # None: the strategy's default (fedsdk.leakage; 0 turns it off)
+    mask_noise: float = 0.0  # Gaussian noise multiplier on the clear part (fedsdk.noise; 0: none)
+    mask_clip: float = 1.0  # the L2 bound the clear part is clipped to when it is noised
+    coop_decrypt: bool | None = None  # None: the strategy's default (coop.py; key mode shared only)
+    share_wait_s: float = 1.0  # how long a device waits for the others' shares before decrypting them
+    mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
+    sketch_dim: int = 32
+    dp_epsilon: float = 0.0
+    dp_clip: float = 1.0
+    report_timeout_s: float = 30.0
+    heartbeat_s: float = 30.0  # the retained status is published again this often (devices' idle bound)
+    farewell_s: float = 10.0  # after the last round, how long to wait for online devices to say goodbye
+
+
+def check_config(c: RoundConfig) -> None:
+    """ConfigError for settings no strategy accepts (the strategy checks the rest)."""
+    if c.mask_leak_db is not None and not 0.0 <= c.mask_leak_db <= 200.0:
+        raise ConfigError(f"mask_leak_db must be in [0, 200] dB, got {c.mask_leak_db}")
+    if c.mask_noise < 0 or not c.mask_clip > 0:
+        raise ConfigError("mask_noise must be >= 0 and mask_clip > 0")
+    if not 0.0 < c.budget_cap <= 1.0:
+        raise ConfigError(f"budget_cap must be in (0, 1], got {c.budget_cap}")
+    if not 0.0 <= c.share_wait_s <= 3600.0:
+        raise ConfigError(f"share_wait_s must be in [0, 3600], got {c.share_wait_s}")
+    if c.key_mode not in ("shared", "keyserver"):
+        raise ConfigError(f"key mode must be shared or keyserver, got {c.key_mode!r}")

@@ -1,0 +1,321 @@
+"""Every message a device sends the coordinator, taken on the event loop: checked against the federation,
+the round and the sender named by the topic, filed into the engine's state and the store. Handlers never
+block and never publish themselves: what they decide to send goes through the engine's outbox.
+
+Every reply is checked against the round, the cluster, the model's shape, the HE backend and key
+(:meth:`Strategy.check_reply`), and the sender named by the topic. Late replies (an earlier round id) are
+counted and dropped, never mixed into another round. A reply identical to the one already held is a
+harmless re-send and is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedsdk.errors import ValidationError
+from fedsdk.protocol import (
+    BYE_LOST,
+    DATA_MISMATCH,
+    Bye,
+    DecryptShare,
+    EncryptedUpdate,
+    Error,
+    Hello,
+    Report,
+    Sketch,
+    Update,
+    decode,
+)
+from fedsdk.protocol import topics as T
+from fedsdk.protocol.validate import check_kind
+from fedsdk_coordinator.clustering import assign_nearest
+from fedsdk_coordinator.engine.measure import Measured, record_report, record_update
+from fedsdk_coordinator.engine.state import RoundState
+from fedsdk_coordinator.failpoints import reached
+
+if TYPE_CHECKING:
+    from fedsdk_coordinator.rounds import RoundEngine
+
+__all__ = ["Inbound"]
+
+log = logging.getLogger("fedsdk_coordinator.rounds")  # one logger for the engine's story of a federation
+
+
+class Inbound:
+    """The message handlers of one :class:`~fedsdk_coordinator.rounds.RoundEngine`, over its state."""
+
+    def __init__(self, engine: RoundEngine) -> None:
+        self.e = engine
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        """Take one inbound message. Never raises: a bad message is logged and counted."""
+        e = self.e
+        try:
+            federation, client_id, kind = T.parse_up(topic)
+            if federation != e.config.federation:
+                raise ValidationError("bad_topic", f"federation {federation!r} is not ours")
+            if kind == T.PROBE:
+                return  # a device timing its uplink: the bytes mean nothing
+            msg = decode(payload, limits=e.limits)
+            check_kind(msg, kind)
+            sender = getattr(msg, "client_id", client_id)
+            if sender != client_id:
+                raise ValidationError(
+                    "sender_mismatch", f"message from {sender!r} on the topic of {client_id!r}"
+                )
+            if isinstance(msg, Bye):
+                self._bye(client_id, msg)
+            elif isinstance(msg, Hello):
+                self._hello(client_id, msg)
+            elif isinstance(msg, Sketch):
+                self._sketch(client_id, msg, payload)
+            elif isinstance(msg, Report):
+                self._report(client_id, msg)
+            elif isinstance(msg, DecryptShare):
+                self._share(client_id, msg)
+            elif isinstance(msg, Error) and msg.code == DATA_MISMATCH:
+                self._refused(client_id, msg)
+            elif isinstance(msg, Update | EncryptedUpdate | Error):
+                self._reply(client_id, msg, payload)
+        except ValidationError as exc:
+            e.rejected.add(exc.code)
+            log.warning("rejected message on %s: %s", topic, exc.reason)
+        except Exception:  # a handler bug must not take the coordinator down
+            e.rejected.add("internal")
+            log.exception("error handling message on %s", topic)
+
+    # -- presence -------------------------------------------------------------------------------------
+    def _hello(self, client_id: str, hello: Hello) -> None:
+        e = self.e
+        facts: dict[str, Any] = dict(hello.device)
+        facts.update(he_values_per_s=hello.he_values_per_s, uplink_bytes_per_s=hello.uplink_bytes_per_s)
+        e.store.upsert_client(client_id, hello.num_samples, facts)
+        again = client_id in e.hellos  # a device re-announcing itself (it reconnected)
+        e.hellos[client_id] = hello
+        e.online[client_id] = hello
+        m = e.measured.setdefault(client_id, Measured())
+        if hello.he_values_per_s and not again:  # later estimates come from the device's real rounds
+            m.he_values_per_s = hello.he_values_per_s
+        if hello.uplink_bytes_per_s and not again:
+            m.uplink_bytes_per_s = hello.uplink_bytes_per_s
+        model_round = facts.get("model_round")  # the SDK says whether it still holds a model
+        if isinstance(model_round, int | float) and not isinstance(model_round, bool):
+            e.set_holder(client_id, model_round >= 0)
+            for rnd in e.open_rounds.values():  # it applied a round whose report a restart lost
+                if model_round >= rnd.round_id and client_id in rnd.replies:
+                    rnd.applied.add(client_id)
+                    rnd.check_reported()
+        for open_rnd in e.every_open_round():
+            open_rnd.gone.discard(client_id)  # back in the round it left
+        mhz, cores = facts.get("cpu_mhz"), facts.get("cores")
+        if isinstance(mhz, int | float) and isinstance(cores, int | float) and mhz > 0 and cores > 0:
+            m.compute = float(mhz) / 1000.0 * float(cores)
+        log.info(
+            "device %s %s (%d samples, %d online)",
+            client_id, "is back" if again else "joined", hello.num_samples, len(e.online),
+        )  # fmt: skip
+        if len(e.online) >= e.need:
+            e.joined.set()
+        e.arrivals += 1
+        e.presence.set()
+        e.retask(client_id)
+
+    def _refused(self, client_id: str, msg: Error) -> None:
+        """A device whose data cannot fit the model (it says so instead of hello, and trains nothing): it is
+        shown, with its reason, and the federation goes on with the others."""
+        e = self.e
+        first = e.refused.get(client_id) != msg.reason
+        e.refused[client_id] = msg.reason
+        e.store.refuse_client(client_id, msg.reason)
+        e.expected.discard(client_id)
+        if e.online.pop(client_id, None) is not None:
+            e.presence.set()
+        if first:
+            log.warning("device %s refused: %s", client_id, msg.reason)
+
+    def _seen(self, client_id: str) -> None:
+        """A valid message from a device that said hello: it is online (its Bye may have been a will sent
+        while the broker shut down, or it reconnected before this instance could hear its hello)."""
+        e = self.e
+        if client_id not in e.online and client_id in e.hellos:
+            e.online[client_id] = e.hellos[client_id]
+            e.store.set_online(client_id, True)
+            if len(e.online) >= e.need:
+                e.joined.set()
+
+    def _bye(self, client_id: str, msg: Bye) -> None:
+        e = self.e
+        if e.online.pop(client_id, None) is not None:
+            e.set_holder(client_id, False)
+            e.store.set_online(client_id, False)
+            log.info("device %s left (%d online)", client_id, len(e.online))
+        e.presence.set()
+        if msg.reason == BYE_LOST:
+            # The broker's will for a broken connection (also sent when the broker itself shuts down): the
+            # device may be back in a moment, so its rounds keep waiting for it until their deadline.
+            return
+        # A goodbye the device said itself (stopped, Ctrl-C, SIGTERM): no round waits for it any more.
+        e.expected.discard(client_id)
+        for rnd in e.every_open_round():
+            if client_id not in rnd.participants or client_id in rnd.gone:
+                continue
+            if rnd.collecting and client_id not in rnd.replies:
+                log.info(
+                    "round %d cluster %d: %s left without replying", rnd.round_id, rnd.cluster_id, client_id
+                )
+            rnd.gone.add(client_id)
+            rnd.check_done()
+            rnd.check_reported()
+
+    # -- the sketch round ------------------------------------------------------------------------------
+    def _sketch(self, client_id: str, msg: Sketch, payload: bytes) -> None:
+        e = self.e
+        vec = np.asarray(msg.vector, dtype=np.float64)
+        if vec.size != e.config.sketch_dim:
+            raise ValidationError(
+                "wrong_shape", f"sketch of {vec.size} values, expected {e.config.sketch_dim}"
+            )
+        self._seen(client_id)
+        sk = e.sketch_round
+        if sk is not None and client_id in sk.participants:
+            if client_id in sk.replies:
+                self._duplicate(sk, client_id, payload)
+                return
+            e.store.save_reply(0, 0, client_id, payload)
+            e.sketches[client_id] = vec
+            sk.replies[client_id], sk.raw[client_id] = msg, payload
+            sk.check_done()
+        elif client_id in e.clusters and e.clustering is not None:
+            e.resent += 1  # a sketch re-sent after clustering: the device already has its cluster
+        elif e.clustering is not None:
+            k = assign_nearest(e.clustering, vec)
+            e.clusters[client_id] = k
+            e.store.set_cluster(client_id, k)
+            log.info("late device %s joins cluster %d", client_id, k)
+        elif client_id in e.online:
+            # The sketch round failed for want of sketches and waits to run again: a slow device's sketch
+            # is kept for the next attempt and starts it, as a device that joins would.
+            e.sketches[client_id] = vec
+            e.arrivals += 1
+            e.presence.set()
+            log.info("late sketch from %s kept for the next sketch round", client_id)
+        else:
+            raise ValidationError("stale_round", f"sketch from {client_id} outside the sketch round")
+
+    def _sketch_error(self, sk: RoundState, client_id: str, msg: Error, payload: bytes) -> None:
+        """A device could not make its sensitivity sketch: the sketch round stops waiting for it."""
+        if client_id in sk.replies:
+            self._duplicate(sk, client_id, payload)
+            return
+        self.e.store.save_reply(0, 0, client_id, payload)
+        sk.replies[client_id], sk.raw[client_id] = msg, payload
+        self._seen(client_id)
+        self._failed(0, 0, client_id, msg)
+        sk.check_done()
+
+    # -- a cluster's round -----------------------------------------------------------------------------
+    def _reply(self, client_id: str, msg: Update | EncryptedUpdate | Error, payload: bytes) -> None:
+        e = self.e
+        sk = e.sketch_round
+        if isinstance(msg, Error) and msg.round_id == 0 and sk is not None and client_id in sk.participants:
+            self._sketch_error(sk, client_id, msg, payload)
+            return
+        cluster_id = msg.cluster_id if not isinstance(msg, Error) else e.clusters.get(client_id, 0)
+        rnd = e.open_rounds.get(cluster_id)
+        if rnd is not None and msg.round_id == rnd.round_id and client_id in rnd.replies:
+            self._seen(client_id)
+            self._duplicate(rnd, client_id, payload)
+            return
+        if rnd is None or msg.round_id != rnd.round_id or not rnd.collecting:
+            e.late += 1
+            raise ValidationError("stale_round", f"reply for round {msg.round_id} outside that round")
+        if client_id not in rnd.participants:
+            raise ValidationError("not_participant", f"{client_id} got no task in round {rnd.round_id}")
+        e.strategy.check_reply(msg, rnd, client_id)
+        status = f"error:{msg.code}" if isinstance(msg, Error) else "update"
+        metrics: dict[str, Any] = {"reason": msg.reason} if isinstance(msg, Error) else dict(msg.metrics)
+        metrics["reply_s"] = time.monotonic() - rnd.sent_at
+        result = {
+            "status": status,
+            "num_samples": 0 if isinstance(msg, Error) else msg.num_samples,
+            "metrics": metrics,
+        }
+        e.store.save_reply(rnd.round_id, rnd.cluster_id, client_id, payload, result=result)
+        rnd.replies[client_id], rnd.raw[client_id] = msg, payload
+        self._seen(client_id)
+        if isinstance(msg, Error):
+            self._failed(rnd.round_id, rnd.cluster_id, client_id, msg)
+        else:
+            self.measure(client_id, msg)
+        rnd.check_done()
+        if rnd.done.is_set():
+            reached("all_stored", rnd.round_id)
+        elif len(rnd.replies) == 1:
+            reached("reply_stored", rnd.round_id)
+
+    def measure(self, client_id: str, msg: Update | EncryptedUpdate) -> None:
+        """Learn the device's speeds from an accepted update."""
+        record_update(self.e.measured.setdefault(client_id, Measured()), msg, self.e.he)
+
+    def _duplicate(self, rnd: RoundState, client_id: str, payload: bytes) -> None:
+        """A second reply in a round: the same bytes are a re-send (ignored), anything else is rejected."""
+        if rnd.raw.get(client_id) == payload:
+            self.e.resent += 1
+            log.debug("round %d: %s re-sent its reply; already held", rnd.round_id, client_id)
+            return
+        raise ValidationError("duplicate", f"second reply from {client_id} in round {rnd.round_id}")
+
+    def _failed(self, round_id: int, cluster_id: int, client_id: str, msg: Error) -> None:
+        """Log and count a device's failure in a round (its Error reply)."""
+        self.e.failures.add(msg.code)
+        log.warning(
+            "round %d cluster %d: device %s failed (%s): %s",
+            round_id,
+            cluster_id,
+            client_id,
+            msg.code,
+            msg.reason,
+        )
+
+    def _report(self, client_id: str, msg: Report) -> None:
+        e = self.e
+        rnd = e.open_rounds.get(msg.cluster_id)
+        if rnd is None or rnd.round_id != msg.round_id or client_id not in rnd.replies:
+            e.late += 1
+            raise ValidationError("stale_round", f"report for round {msg.round_id} outside that round")
+        self._seen(client_id)
+        rnd.reports[client_id] = msg
+        rnd.check_reported()
+        if len(rnd.reports) == 1:
+            reached("report_stored", rnd.round_id)
+        e.store.merge_result_metrics(msg.round_id, msg.cluster_id, client_id, dict(msg.metrics))
+        record_report(
+            e.measured.setdefault(client_id, Measured()),
+            msg,
+            rnd.replies[client_id],
+            he=e.he,
+            decrypts=e.config.key_mode == "shared",
+            union_packs=rnd.union_packs,
+        )
+
+    def _share(self, client_id: str, msg: DecryptShare) -> None:
+        """Relay a device's sealed decryption share to its cluster, unopened (coop.py)."""
+        e = self.e
+        rnd = e.open_rounds.get(msg.cluster_id)
+        if rnd is None or rnd.round_id != msg.round_id or rnd.collecting or client_id not in rnd.shares:
+            raise ValidationError("stale_round", f"share for round {msg.round_id} outside that round")
+        if client_id in rnd.shared:
+            raise ValidationError("duplicate", f"second share from {client_id} in round {rnd.round_id}")
+        assert e.he is not None
+        packs = msg.pack_indices
+        if packs.size > rnd.union_packs or int(packs[-1]) >= e.he.num_packs(e.n_values):
+            raise ValidationError("bad_field", f"share of {packs.size} packs up to {int(packs[-1])}")
+        self._seen(client_id)
+        rnd.shared.add(client_id)
+        rnd.share_buffer.append(msg)
+        if rnd.share_flushed or rnd.share_expect <= rnd.shared:
+            e.flush_shares(rnd)

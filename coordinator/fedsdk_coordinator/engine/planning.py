@@ -1,0 +1,66 @@
+"""Planning a round, over plain data: which online devices run it in which cluster, each one's budget and
+decryption share (the strategy's), and the FedAvg weight unit of each cluster under HE."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+from fedsdk.crypto import HEBackend
+from fedsdk.errors import EncodingError
+from fedsdk_coordinator.engine.measure import Measured
+from fedsdk_coordinator.engine.state import RoundState
+from fedsdk_coordinator.strategies.base import Strategy
+
+__all__ = ["group_by_cluster", "plan_rounds", "weight_unit"]
+
+log = logging.getLogger(__name__)
+
+
+def group_by_cluster(
+    online: Iterable[str], clusters: Mapping[str, int], clustered: bool
+) -> tuple[dict[int, list[str]], list[str]]:
+    """The online devices by cluster (sorted), and those a clustered federation has no cluster for yet
+    (they get a sketch task instead)."""
+    groups: dict[int, list[str]] = {}
+    unsketched: list[str] = []
+    for cid in sorted(online):
+        if clustered and cid not in clusters:
+            unsketched.append(cid)
+            continue
+        groups.setdefault(clusters.get(cid, 0), []).append(cid)
+    return groups, unsketched
+
+
+def plan_rounds(
+    round_id: int,
+    groups: Mapping[int, list[str]],
+    strategy: Strategy,
+    measured: Mapping[str, Measured],
+    samples: Mapping[str, int],
+) -> list[RoundState]:
+    """One :class:`RoundState` per cluster, with the strategy's shares and budgets for its members and
+    the weight unit of their announced sample counts."""
+    now = time.monotonic()
+    rounds = []
+    for k, members in sorted(groups.items()):
+        shares = strategy.shares(members, measured)
+        budgets = strategy.budgets(members, k, measured, shares)
+        unit = weight_unit(strategy.he, [samples.get(cid, 1) for cid in members])
+        rounds.append(
+            RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit)
+        )
+    return rounds
+
+
+def weight_unit(he: HEBackend | None, counts: list[int]) -> int:
+    """Samples per unit of FedAvg weight for a round of devices with these sample counts (their hellos')
+    under HE, so that their weights fit the slots (``FixedPoint.weight_unit``); 1 in plaintext."""
+    if he is None:
+        return 1
+    try:
+        return he.fixed.weight_unit(counts)
+    except EncodingError as exc:  # more devices than the slots allow: aggregation will say so
+        log.error("%s", exc)
+        return 1

@@ -1,0 +1,135 @@
+"""One cluster's round as plain data (:class:`RoundState`), and the waits the round loop is made of."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedsdk.protocol import BaseMessage, DecryptShare, Error, Report
+from fedsdk_coordinator.resume import StoredRound
+
+__all__ = ["RoundState", "failure_summary", "wait", "wait_with_grace", "within_total_weight"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundState:
+    round_id: int
+    cluster_id: int
+    participants: set[str]
+    sent_at: float
+    budgets: dict[str, float] = field(default_factory=dict)
+    phase: str = "train"
+    replies: dict[str, BaseMessage] = field(default_factory=dict)
+    raw: dict[str, bytes] = field(default_factory=dict)  # the envelopes of the replies, as received
+    reports: dict[str, Report] = field(default_factory=dict)
+    tasked: set[str] = field(default_factory=set)  # sent the task since their last hello
+    collecting: bool = True  # still taking replies (False once aggregation starts)
+    union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
+    shares: dict[str, tuple[float, float]] = field(default_factory=dict)  # cooperative decryption (coop.py)
+    weight_unit: int = 1  # samples per unit of FedAvg weight under HE (FixedPoint.weight_unit)
+    shared: set[str] = field(default_factory=set)  # devices whose decryption share was taken
+    share_expect: set[str] = field(default_factory=set)  # devices with a non-empty part of the union
+    share_buffer: list[DecryptShare] = field(default_factory=list)  # shares held for the bundle (coop.py)
+    share_flushed: bool = False  # the bundle went out: later shares are relayed one by one
+    share_timer: asyncio.TimerHandle | None = None
+    gone: set[str] = field(default_factory=set)  # participants that said goodbye without replying/reporting
+    applied: set[str] = field(default_factory=set)  # repliers whose hello says they hold this round's model
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    reported: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def waiting_for(self) -> list[str]:
+        """Participants without a reply, while the round still takes replies."""
+        return sorted(self.participants - set(self.replies) - self.gone) if self.collecting else []
+
+    @property
+    def valid(self) -> list[Any]:
+        """The replies that are updates (not a device's Error)."""
+        return [r for r in self.replies.values() if not isinstance(r, Error)]
+
+    def check_done(self) -> None:
+        """Every participant that has not left has replied: the round need not wait for its deadline."""
+        if self.participants - self.gone <= set(self.replies):
+            self.done.set()
+
+    def check_reported(self) -> None:
+        """Every device whose update was aggregated and that has not left holds the round's model: it
+        reported, or (after a coordinator restart) its hello says it applied this round. Only once the round
+        stopped taking replies: before that, a goodbye must not stand for reports still to come."""
+        if self.collecting:
+            return
+        valid = {c for c, r in self.replies.items() if not isinstance(r, Error)}
+        if valid - self.gone <= set(self.reports) | self.applied:
+            self.reported.set()
+
+    @classmethod
+    def restored(cls, stored: StoredRound, phase: str = "train") -> RoundState:
+        p = stored.plan
+        rnd = cls(p.round_id, p.cluster_id, set(p.participants), time.monotonic(), dict(p.budgets), phase)
+        rnd.weight_unit = p.weight_unit
+        for cid, (msg, env) in stored.replies.items():
+            rnd.replies[cid], rnd.raw[cid] = msg, env
+        rnd.check_done()
+        return rnd
+
+
+def failure_summary(rnd: RoundState, min_clients: int) -> str:
+    """Why a cluster's round got too few valid updates, in one line (for the log and the status)."""
+    errors = sorted((cid, r) for cid, r in rnd.replies.items() if isinstance(r, Error))
+    quorum = min(min_clients, len(rnd.participants))
+    out = f"{len(rnd.valid)} valid updates of {len(rnd.participants)} devices, quorum {quorum}"
+    if errors:
+        cid, err = errors[0]
+        out += f"; {len(errors)} device errors, e.g. {cid}: {err.code}: {err.reason[:160]}"
+    missing = sorted(rnd.participants - set(rnd.replies))
+    if missing:
+        out += f"; no reply from {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+    return out
+
+
+def within_total_weight(ordered: list[Any], limit: int, rnd: RoundState) -> list[Any]:
+    """The updates whose weights fit one aggregate's slots (Σ w ≤ ``limit``), in order. The round's weight
+    unit keeps them within it unless devices announced fewer samples than they trained on; those that do not
+    fit are left out of the aggregate (an exact sum of the rest rather than a failed round)."""
+    kept, total = [], 0
+    for u in ordered:
+        if total + int(u.weight) > limit:
+            log.warning(
+                "round %d cluster %d: update of %s left out: weights would sum past %d (unit %d)",
+                rnd.round_id, rnd.cluster_id, u.client_id, limit, rnd.weight_unit,
+            )  # fmt: skip
+            continue
+        kept.append(u)
+        total += int(u.weight)
+    return kept
+
+
+async def wait_with_grace(done: asyncio.Event, deadline_s: float, quorate: Callable[[], bool]) -> None:
+    """A round's collection: until ``done`` or the deadline, then one more deadline of grace if the quorum
+    is still missing (``quorate()`` false)."""
+    for _ in range(2):
+        if await wait(done, deadline_s) or quorate():
+            return
+
+
+async def wait(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; True if it is set.
+
+    Not ``asyncio.wait_for(event.wait(), timeout)``: before Python 3.12, wait_for swallows a cancellation
+    that arrives when the event was already set, and a cancelled round loop would run on (a coordinator
+    that does not stop on shutdown, or before a restart). ``asyncio.wait`` never swallows it.
+    """
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return bool(done)

@@ -1,0 +1,126 @@
+"""What every strategy that encrypts shares: the check of an encrypted update on receipt, and the mixed
+ciphertext/plaintext sum of a cluster's updates (:func:`fedsdk.crypto.aggregate_contributions`), which the
+coordinator forms with the public key only. Under HE the coordinator never holds the model: the devices keep
+their cluster's model, evaluate it and report the accuracy."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedsdk import pipeline
+from fedsdk.crypto import HEBackend, aggregate_contributions
+from fedsdk.errors import CryptoError, ValidationError
+from fedsdk.protocol import BaseMessage, EncryptedUpdate, Update, encode
+from fedsdk_coordinator.consensus import consensus_mask
+from fedsdk_coordinator.coop import share_split
+from fedsdk_coordinator.engine.measure import Measured
+from fedsdk_coordinator.engine.state import RoundState, within_total_weight
+from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, Strategy
+
+__all__ = ["HEStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class HEStrategy(Strategy):
+    """Base of the strategies whose devices send :class:`EncryptedUpdate` (``backend`` set)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # per cluster: the union of the masks ÷ the largest single mask, measured (deadline budgets)
+        self.union_factor: dict[int, float] = {}
+        # per cluster: the consensus mask voted on its last aggregated round, encoded (consensus.py)
+        self.consensus_masks: dict[int, str] = {}
+
+    @property
+    def public(self) -> HEBackend:
+        assert self.he is not None  # Strategy.__init__ refuses an HE strategy without its key
+        return self.he
+
+    def shares(
+        self, members: Sequence[str], measured: Mapping[str, Measured]
+    ) -> dict[str, tuple[float, float]]:
+        if not self.coop:  # coop needs the packed backend and key mode shared (Strategy)
+            return {}
+        speeds: dict[str, float | None] = {}
+        for cid in members:
+            m = measured.get(cid) or Measured()
+            speeds[cid] = m.decrypt_values_per_s or m.he_values_per_s
+        return share_split(speeds)
+
+    def task_options(self, cluster_id: int, phase: str) -> dict[str, Any]:
+        out = super().task_options(cluster_id, phase)
+        if phase == "train" and cluster_id in self.consensus_masks:
+            out["mask_consensus"] = self.consensus_masks[cluster_id]
+        return out
+
+    def check_reply(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
+        if isinstance(msg, Update):
+            raise ValidationError("wrong_kind", "a plaintext update in a federation that encrypts")
+        if not isinstance(msg, EncryptedUpdate):
+            return
+        he, unit = self.public, rnd.weight_unit
+        if msg.backend != he.name:
+            raise ValidationError(
+                "wrong_backend", f"backend {msg.backend!r}, the federation uses {he.name!r}"
+            )
+        if msg.key_id != he.key_id.hex():
+            raise ValidationError("wrong_key", "ciphertexts under another key")
+        if msg.n_values != self.n_values or msg.pack_mask.size != he.num_packs(self.n_values):
+            raise ValidationError("wrong_shape", f"{msg.n_values} values, the model has {self.n_values}")
+        if msg.weight != he.fixed.quantise_weight(msg.num_samples, unit):
+            raise ValidationError(
+                "bad_field", f"the FedAvg weight must be the sample count in units of {unit} samples"
+            )
+        # The contents too, on receipt: a weight past the slot headroom, an encoded plaintext slot out of
+        # range or a ciphertext >= n^2 would otherwise only fail at aggregation, taking the honest devices'
+        # round down with it. Checking needs the public key only.
+        try:
+            contribution = pipeline.contribution_from_message(msg)
+            he.fixed.check_weight(contribution.weight)
+            he.validate_contribution(contribution)
+            for blob in contribution.ciphertexts:
+                he.ciphertext_from_bytes(blob, he.key_id)
+        except CryptoError as exc:
+            raise ValidationError("bad_ciphertext", str(exc)) from exc
+
+    async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
+        he = self.public
+        ordered = within_total_weight(sorted(valid, key=lambda u: u.client_id), he.fixed.max_total, rnd)
+        contributions = [pipeline.contribution_from_message(u) for u in ordered]
+        t0 = time.perf_counter()
+        he_agg = await self._off_loop(
+            inputs.executor, aggregate_contributions, he.name, he.params, he.public_bytes(), contributions
+        )
+        metrics: dict[str, Any] = {"aggregate_s": time.perf_counter() - t0}
+        union = np.asarray(he_agg.mask)
+        metrics["union_ratio"] = float(union.mean())
+        rnd.union_packs = int(union.sum())
+        largest = max(int(np.asarray(u.pack_mask).sum()) for u in ordered)
+        if largest:
+            self.union_factor[rnd.cluster_id] = max(1.0, rnd.union_packs / largest)
+        if self.consensus:
+            metrics.update(self._vote(rnd.cluster_id, [np.asarray(u.pack_mask, dtype=bool) for u in ordered]))
+        total = sum(u.num_samples for u in ordered)
+        msg = pipeline.message_from_he_aggregate(
+            he_agg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, total_samples=total, metrics={}
+        )
+        return Aggregated(encode(msg), len(ordered), total, metrics=metrics)
+
+    def _vote(self, cluster_id: int, masks: list[np.ndarray]) -> dict[str, float]:
+        """The cluster's consensus mask for its next round, voted on this round's masks (consensus.py)."""
+        agreed = consensus_mask(masks)
+        self.consensus_masks.pop(cluster_id, None)
+        if agreed is None:
+            return {}
+        try:
+            self.consensus_masks[cluster_id] = pipeline.encode_pack_mask(agreed)
+        except ValueError:
+            log.warning("cluster %d: too many packs for a consensus mask", cluster_id)
+            return {}
+        return {"consensus_ratio": float(agreed.mean())}
