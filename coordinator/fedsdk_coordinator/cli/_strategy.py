@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-STRATEGIES = ("plaintext", "plain-he", "maskcrypt", "sensecrypt", "fedsdk")
-
 
 def _switch(g: Any, flag: str, help: str) -> None:
     """An ``auto|on|off`` option: ``auto`` keeps the strategy's default (read with :func:`_tristate`)."""
@@ -18,8 +16,10 @@ def _tristate(value: str) -> bool | None:
 
 
 def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintext") -> None:
+    from fedsdk_coordinator.strategies import STRATEGIES  # the registered ones, plugins included
+
     g = p.add_argument_group("privacy strategy")
-    g.add_argument("--strategy", default=default, choices=STRATEGIES, help="see docs/strategies.md")
+    g.add_argument("--strategy", default=default, choices=list(STRATEGIES), help="see docs/strategies.md")
     g.add_argument(
         "--key-mode",
         default=None,
