@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from aiohttp.test_utils import TestClient, TestServer
+
 from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend
+from fedsdk.hekeys import load_he
+from fedsdk_coordinator.app import ENGINE, CoordinatorConfig, create_app
 from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
@@ -42,3 +48,34 @@ def device(broker: Any, engine: RoundEngine, cid: str, data: Any, **options: Any
         probe_bytes=0,
         **options,
     )
+
+
+@asynccontextmanager
+async def coordinator(
+    tmp_path: Path, broker: Any, rounds: RoundConfig, *, he_dir: Path | None = None
+) -> AsyncIterator[RoundEngine]:
+    """The coordinator application (model ``mlp``, plain TCP to ``broker``) serving ``rounds``; its engine."""
+    config = CoordinatorConfig(
+        rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
+        he_dir=he_dir,
+    )  # fmt: skip
+    async with TestClient(TestServer(create_app(config))) as http:
+        yield http.app[ENGINE]
+
+
+def digit_devices(
+    broker: Any, engine: RoundEngine, digits: Any, part: Any, *, he_dir: Path | None = None, **options: Any
+) -> list[FedClient]:
+    """One device per partition of ``digits``' training set, ``d0``, ``d1``, ..., each with its own copy of
+    the HE key in ``he_dir``."""
+    return [
+        device(
+            broker,
+            engine,
+            f"d{i}",
+            (digits.x_train[idx], digits.y_train[idx]),
+            he=load_he(he_dir) if he_dir is not None else None,
+            **options,
+        )
+        for i, idx in enumerate(part.indices)
+    ]

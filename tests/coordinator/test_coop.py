@@ -12,6 +12,7 @@ from engines import make_engine
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError
 from fedsdk.protocol import Task, decode
+from fedsdk_coordinator.strategies import ClusterPlan
 
 
 @pytest.mark.parametrize(
@@ -29,8 +30,8 @@ def test_which_federations_split_the_decryption(
 ) -> None:
     e = make_engine(tmp_path, public[backend] if backend else None, strategy=strategy, **extra)
     assert e.strategy.coop is coop
-    assert bool(e.strategy.shares(["d0", "d1", "d2"], e.measured)) is coop
-    assert e.strategy.shares(["solo"], e.measured) == {}  # nobody to share with
+    assert bool(e.strategy.shares(ClusterPlan(["d0", "d1", "d2"], 0, e.measured))) is coop
+    assert e.strategy.shares(ClusterPlan(["solo"], 0, e.measured)) == {}  # nobody to share with
 
 
 def test_asking_for_it_where_it_cannot_work_is_an_error(tmp_path: Path, public: dict[str, HEBackend]) -> None:

@@ -45,6 +45,7 @@ def test_what_each_strategy_asks_devices_to_protect(
 
 def test_the_budget_cap_holds_every_alpha_below_it(tmp_path: Path, public: dict[str, HEBackend]) -> None:
     from fedsdk_coordinator.engine.measure import Measured as _Measured
+    from fedsdk_coordinator.strategies import ClusterPlan
 
     members = ["d0", "d1", "d2"]
     free = make_engine(tmp_path / "a", public["packed"], strategy="fedsdk", clustering=False)
@@ -54,8 +55,8 @@ def test_the_budget_cap_holds_every_alpha_below_it(tmp_path: Path, public: dict[
     for e in (free, capped):
         for cid in members:  # fast devices: every one can afford its whole update
             e.measured[cid] = _Measured(he_values_per_s=1e7, uplink_bytes_per_s=1e8, train_s=0.01)
-    assert all(b == 1.0 for b in free.strategy.budgets(members, 0, free.measured).values())
-    assert all(b == 0.3 for b in capped.strategy.budgets(members, 0, capped.measured).values())
+    assert all(b == 1.0 for b in free.strategy.budgets(ClusterPlan(members, 0, free.measured)).values())
+    assert all(b == 0.3 for b in capped.strategy.budgets(ClusterPlan(members, 0, capped.measured)).values())
     with pytest.raises(ConfigError, match="budget_cap"):
         make_engine(tmp_path / "c", public["packed"], strategy="fedsdk", budget_cap=0.0)
     with pytest.raises(ConfigError, match="mask_leak_db"):
@@ -90,12 +91,13 @@ def test_a_measured_mask_choice_that_costs_more_than_it_saves_gives_every_device
 ) -> None:
     from fedsdk.protocol import Update
     from fedsdk_coordinator.engine.measure import Measured as _Measured
+    from fedsdk_coordinator.strategies import ClusterPlan
 
     members = ["d0", "d1"]
     e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, target_round_s=1.0)
     for cid in members:  # cold encryption of the whole update takes 1.1 s: it does not fit the 1 s target
         e.measured[cid] = _Measured(he_values_per_s=e.n_values / 1.1, uplink_bytes_per_s=1e8, train_s=0.5)
-    partial = e.strategy.budgets(members, 0, e.measured)
+    partial = e.strategy.budgets(ClusterPlan(members, 0, e.measured))
     assert all(0 < b < 1 for b in partial.values()), partial
 
     def choice(cid: str, sensitivity_s: float, mask_s: float) -> None:
@@ -105,6 +107,6 @@ def test_a_measured_mask_choice_that_costs_more_than_it_saves_gives_every_device
     choice("d0", 0.01, 2.0)  # the choice took 2 s: longer than encrypting everything (1.1 s)
     choice("d0", 0.01, 0.1)  # a cheaper choice later does not lower the estimate
     assert e.measured["d0"].select_s == pytest.approx(2.01)
-    assert all(b == 1.0 for b in e.strategy.budgets(members, 0, e.measured).values())
+    assert all(b == 1.0 for b in e.strategy.budgets(ClusterPlan(members, 0, e.measured)).values())
     choice("d1", 0.0, 0.5)  # no sensitivity computed: the device did not choose, nothing is learnt
     assert e.measured["d1"].select_s is None

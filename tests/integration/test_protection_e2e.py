@@ -12,16 +12,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import require_mosquitto, start_mosquitto
-from engines import device
+from engines import coordinator, digit_devices
 from fedsdk.crypto import generate_backend
-from fedsdk.hekeys import load_he, save_he
+from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_label_skew
 from fedsdk.noise import rdp_epsilon
-from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
-from fedsdk_coordinator.app import ENGINE
+from fedsdk_coordinator import RoundConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -42,18 +40,8 @@ async def test_devices_check_their_rows_hold_the_cap_and_noise_the_clear_part(tm
         clustering=False, budget_cap=0.3, mask_noise=0.03, mask_clip=1.0, farewell_s=5.0,
     )  # fmt: skip
     with start_mosquitto(tmp_path / "mosq") as broker:
-        config = CoordinatorConfig(
-            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
-            he_dir=public,
-        )  # fmt: skip
-        async with TestClient(TestServer(create_app(config))) as http:
-            engine = http.app[ENGINE]
-            clients = [
-                device(
-                    broker, engine, f"d{i}", (digits.x_train[idx], digits.y_train[idx]), he=load_he(secret)
-                )
-                for i, idx in enumerate(part.indices)
-            ]
+        async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
+            clients = digit_devices(broker, engine, digits, part, he_dir=secret)
             async with clients[0], clients[1]:
                 summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
             results: dict[int, list[dict[str, Any]]] = {r: engine.store.results(r) for r in (1, 2)}

@@ -8,26 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import require_mosquitto, start_mosquitto
-from engines import device
+from engines import coordinator, digit_devices
 from fedsdk import pipeline
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.masking import floor_packs
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, decode
-from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
-from fedsdk_coordinator.app import ENGINE
-from fedsdk_coordinator.engine.measure import Measured
-from fedsdk_coordinator.strategies import STRATEGIES, HEStrategy, register
+from fedsdk_coordinator import RoundConfig
+from fedsdk_coordinator.strategies import STRATEGIES, ClusterPlan, HEStrategy, register
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -42,14 +38,8 @@ class FixedSubset(HEStrategy):
     backend = "packed"
     mask = "topk"  # with a budget of 0 the top-k part is empty: the floor alone is encrypted
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
-        return dict.fromkeys(members, 0.0)
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
+        return dict.fromkeys(plan.members, 0.0)
 
     def task_options(self, cluster_id: int, phase: str) -> dict[str, Any]:
         return {**super().task_options(cluster_id, phase), "mask_floor": FIXED}
@@ -72,12 +62,7 @@ async def test_a_strategy_defined_in_a_test_runs_a_federation(tmp_path: Path) ->
         strategy=FixedSubset.name, farewell_s=5.0,
     )  # fmt: skip
     with start_mosquitto(tmp_path / "mosq") as broker:
-        config = CoordinatorConfig(
-            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
-            he_dir=public,
-        )  # fmt: skip
-        async with TestClient(TestServer(create_app(config))) as http:
-            engine = http.app[ENGINE]
+        async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
             kept: dict[int, list[bytes]] = {1: [], 2: []}  # the store drops a round's replies once it is over
             save_reply = engine.store.save_reply
 
@@ -86,17 +71,9 @@ async def test_a_strategy_defined_in_a_test_runs_a_federation(tmp_path: Path) ->
                 save_reply(round_id, cluster_id, client_id, envelope, **kw)
 
             engine.store.save_reply = keep  # type: ignore[method-assign]
-            clients = [
-                device(
-                    broker,
-                    engine,
-                    f"d{i}",
-                    (digits.x_train[idx], digits.y_train[idx]),
-                    eval_data=(digits.x_test, digits.y_test),
-                    he=load_he(secret),
-                )
-                for i, idx in enumerate(part.indices)
-            ]
+            clients = digit_devices(
+                broker, engine, digits, part, he_dir=secret, eval_data=(digits.x_test, digits.y_test)
+            )
             async with clients[0], clients[1]:
                 summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
             aggregates = {r: engine.store.encrypted(0, r) for r in (1, 2)}

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import require_mosquitto, start_mosquitto
-from engines import device
+from engines import coordinator, digit_devices
 from fedsdk.crypto import generate_backend
-from fedsdk.hekeys import load_he, save_he
+from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_iid
-from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
-from fedsdk_coordinator.app import ENGINE
+from fedsdk_coordinator import RoundConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,23 +43,10 @@ async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_p
         clustering=False, farewell_s=5.0,
     )  # fmt: skip
     with start_mosquitto(tmp_path / "mosq") as broker:
-        config = CoordinatorConfig(
-            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
-            he_dir=public,
-        )  # fmt: skip
-        async with TestClient(TestServer(create_app(config))) as http:
-            engine = http.app[ENGINE]
-            clients = [
-                device(
-                    broker,
-                    engine,
-                    f"d{i}",
-                    (digits.x_train[idx], digits.y_train[idx]),
-                    eval_data=(digits.x_test, digits.y_test),
-                    he=load_he(secret),
-                )
-                for i, idx in enumerate(part.indices)
-            ]
+        async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
+            clients = digit_devices(
+                broker, engine, digits, part, he_dir=secret, eval_data=(digits.x_test, digits.y_test)
+            )
             async with clients[0], clients[1], clients[2]:
                 summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
             plans = engine.store.round_plans(1)

@@ -11,7 +11,7 @@ from fedsdk.crypto import HEBackend
 from fedsdk.errors import EncodingError
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
-from fedsdk_coordinator.strategies.base import Strategy
+from fedsdk_coordinator.strategies.base import ClusterPlan, Strategy
 
 __all__ = ["group_by_cluster", "plan_rounds", "weight_unit"]
 
@@ -45,8 +45,8 @@ def plan_rounds(
     now = time.monotonic()
     rounds = []
     for k, members in sorted(groups.items()):
-        shares = strategy.shares(members, measured)
-        budgets = strategy.budgets(members, k, measured, shares)
+        shares = strategy.shares(ClusterPlan(members, k, measured))
+        budgets = strategy.budgets(ClusterPlan(members, k, measured, shares))
         unit = weight_unit(strategy.he, [samples.get(cid, 1) for cid in members])
         rounds.append(
             RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit)

@@ -17,7 +17,7 @@ engine names a strategy.
 from __future__ import annotations
 
 from fedsdk.errors import ConfigError
-from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, Strategy
+from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
 from fedsdk_coordinator.strategies.fedsdk import FedSDK
 from fedsdk_coordinator.strategies.he import HEStrategy
 from fedsdk_coordinator.strategies.maskcrypt import MaskCrypt
@@ -29,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "Aggregated",
     "AggregationInputs",
+    "ClusterPlan",
     "HEStrategy",
     "Strategy",
     "register",

@@ -42,7 +42,18 @@ from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
 
-__all__ = ["Aggregated", "AggregationInputs", "Strategy"]
+__all__ = ["Aggregated", "AggregationInputs", "ClusterPlan", "Strategy"]
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What a cluster's round is planned from: its members, what the engine measured of each device, and
+    (for :meth:`Strategy.budgets`) the decryption shares :meth:`Strategy.shares` gave them."""
+
+    members: Sequence[str]
+    cluster_id: int
+    measured: Mapping[str, Measured]
+    shares: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,20 +128,12 @@ class Strategy:
         self.clustered = self.clustering if config.clustering is None else config.clustering
 
     # -- plan ---------------------------------------------------------------------------------------
-    def shares(
-        self, members: Sequence[str], measured: Mapping[str, Measured]
-    ) -> dict[str, tuple[float, float]]:
+    def shares(self, plan: ClusterPlan) -> dict[str, tuple[float, float]]:
         """Each member's part ``[lo, hi)`` of the aggregate to decrypt for the cluster; empty: each
         device decrypts the whole aggregate itself."""
         return {}
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
         """Each member's budget α in [0, 1] for this round."""
         raise NotImplementedError
 

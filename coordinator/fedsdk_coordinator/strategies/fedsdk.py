@@ -15,10 +15,9 @@ of each aggregate among the cluster's devices in key mode ``shared`` (:mod:`feds
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 from fedsdk_coordinator.budgets import deadline_budgets
-from fedsdk_coordinator.engine.measure import Measured, capacity
+from fedsdk_coordinator.engine.measure import capacity
+from fedsdk_coordinator.strategies.base import ClusterPlan
 from fedsdk_coordinator.strategies.he import HEStrategy
 
 __all__ = ["FedSDK"]
@@ -35,26 +34,20 @@ class FedSDK(HEStrategy):
     fill_default = True
     leak_db_default = 20.0
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
         c, he = self.config, self.public
         ct = he.ciphertext_nbytes or 80 * he.pack_size
         # key mode shared: every device decrypts the cluster's union, or its share of it (coop.py), so it
         # counts (budgets.py)
         shared = c.key_mode == "shared"
         budgets = deadline_budgets(
-            [capacity(cid, measured.get(cid)) for cid in members],
+            [capacity(cid, plan.measured.get(cid)) for cid in plan.members],
             n_values=self.n_values,
             deadline_s=c.target_round_s or c.deadline_s,
             cipher_bytes_per_value=ct / he.pack_size,
             plain_bytes_per_value=he.plaintext_nbytes / he.pack_size,
             floor=c.budget_floor,
-            union_factor=self.union_factor.get(cluster_id, 1.0) if shared else None,
-            decrypt_shares={cid: hi - lo for cid, (lo, hi) in shares.items()} if shares else None,
+            union_factor=self.union_factor.get(plan.cluster_id, 1.0) if shared else None,
+            decrypt_shares={cid: hi - lo for cid, (lo, hi) in plan.shares.items()} or None,
         )
         return {cid: min(b, c.budget_cap) for cid, b in budgets.items()}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from fedsdk_coordinator.consensus import consensus_mask
 from fedsdk_coordinator.coop import share_split
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState, within_total_weight
-from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, Strategy
+from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
 
 __all__ = ["HEStrategy"]
 
@@ -42,14 +41,12 @@ class HEStrategy(Strategy):
         assert self.he is not None  # Strategy.__init__ refuses an HE strategy without its key
         return self.he
 
-    def shares(
-        self, members: Sequence[str], measured: Mapping[str, Measured]
-    ) -> dict[str, tuple[float, float]]:
+    def shares(self, plan: ClusterPlan) -> dict[str, tuple[float, float]]:
         if not self.coop:  # coop needs the packed backend and key mode shared (Strategy)
             return {}
         speeds: dict[str, float | None] = {}
-        for cid in members:
-            m = measured.get(cid) or Measured()
+        for cid in plan.members:
+            m = plan.measured.get(cid) or Measured()
             speeds[cid] = m.decrypt_values_per_s or m.he_values_per_s
         return share_split(speeds)
 

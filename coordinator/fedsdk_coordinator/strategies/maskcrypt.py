@@ -9,9 +9,7 @@ to the baseline.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-from fedsdk_coordinator.engine.measure import Measured
+from fedsdk_coordinator.strategies.base import ClusterPlan
 from fedsdk_coordinator.strategies.he import HEStrategy
 
 __all__ = ["MaskCrypt"]
@@ -22,11 +20,5 @@ class MaskCrypt(HEStrategy):
     backend = "paillier"
     mask = "topk"
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
-        return dict.fromkeys(members, self.config.uniform_budget)
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
+        return dict.fromkeys(plan.members, self.config.uniform_budget)

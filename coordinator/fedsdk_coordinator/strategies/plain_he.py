@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-from fedsdk_coordinator.engine.measure import Measured
+from fedsdk_coordinator.strategies.base import ClusterPlan
 from fedsdk_coordinator.strategies.he import HEStrategy
 
 __all__ = ["PlainHE"]
@@ -15,11 +13,5 @@ class PlainHE(HEStrategy):
     backend = "paillier"
     mask = "all"
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
-        return dict.fromkeys(members, 1.0)
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
+        return dict.fromkeys(plan.members, 1.0)

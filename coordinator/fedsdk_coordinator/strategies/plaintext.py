@@ -4,7 +4,6 @@ can export it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,9 +12,8 @@ from fedsdk.errors import ValidationError
 from fedsdk.protocol import Aggregate, BaseMessage, EncryptedUpdate, Update, encode
 from fedsdk.protocol.validate import check_update
 from fedsdk_coordinator.aggregate import fedavg
-from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
-from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, Strategy
+from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
 
 __all__ = ["FedAvg"]
 
@@ -23,14 +21,8 @@ __all__ = ["FedAvg"]
 class FedAvg(Strategy):
     name = "plaintext"
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
-        return dict.fromkeys(members, 0.0)
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
+        return dict.fromkeys(plan.members, 0.0)
 
     def check_reply(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
         if isinstance(msg, EncryptedUpdate):

@@ -4,10 +4,9 @@ Paillier. Every device decrypts the whole aggregate, as the paper's protocol doe
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 from fedsdk_coordinator.budgets import DeviceCapacity, sensecrypt_budgets
-from fedsdk_coordinator.engine.measure import Measured, capacity
+from fedsdk_coordinator.engine.measure import capacity
+from fedsdk_coordinator.strategies.base import ClusterPlan
 from fedsdk_coordinator.strategies.he import HEStrategy
 
 __all__ = ["SenseCrypt"]
@@ -19,14 +18,8 @@ class SenseCrypt(HEStrategy):
     clustering = True
     mask = "solver"
 
-    def budgets(
-        self,
-        members: Sequence[str],
-        cluster_id: int,
-        measured: Mapping[str, Measured],
-        shares: Mapping[str, tuple[float, float]] | None = None,
-    ) -> dict[str, float]:
-        caps = [capacity(c, measured.get(c)) for c in members]
+    def budgets(self, plan: ClusterPlan) -> dict[str, float]:
+        caps = [capacity(c, plan.measured.get(c)) for c in plan.members]
         if any(d.compute is None for d in caps):  # the paper's v_i only when every device has one
             caps = [
                 DeviceCapacity(d.client_id, d.uplink_bytes_per_s, d.he_values_per_s, d.train_s) for d in caps
