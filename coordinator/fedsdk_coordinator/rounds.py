@@ -28,6 +28,7 @@ back, since a task or an upload may have been lost in flight).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError, StateError
 from fedsdk.masking import floor_packs, parse_floors
 from fedsdk.model import GraphBundle, OnnxModel
-from fedsdk.protocol import ShareBundle, Status, encode
+from fedsdk.protocol import ShareBundle, encode
 from fedsdk.protocol import topics as T
 from fedsdk_coordinator.engine.cluster import run_cluster_round
 from fedsdk_coordinator.engine.config import RoundConfig, check_config
@@ -50,7 +51,7 @@ from fedsdk_coordinator.engine.outbox import Outbox, Publish
 from fedsdk_coordinator.engine.planning import group_by_cluster, plan_rounds
 from fedsdk_coordinator.engine.sketching import run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
-from fedsdk_coordinator.engine.tasks import make_task, shape_text
+from fedsdk_coordinator.engine.tasks import make_status, make_task
 from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.resume import check_identity, load_resume
 from fedsdk_coordinator.store import RoundPlan, Store
@@ -99,12 +100,13 @@ class RoundEngine(FederationState):
         """Load the state a previous instance left in the store (see :mod:`fedsdk_coordinator.resume`)."""
         c, store = self.config, self.store
         names = self.bundle.param_names
+        params = [[n, list(s)] for n, s in zip(names, self.shapes, strict=True)]
         identity = {
             "federation": c.federation,
             "strategy": self.strategy.name,
             "clustered": bool(self.clustered),
         }
-        identity["params"] = [[n, list(s)] for n, s in zip(names, self.shapes, strict=True)]
+        identity["params"] = params
         check_identity(store, identity)
         saved = load_resume(store, plaintext=self.he is None, clustered=self.clustered, limits=self.limits)
         # A new instance knows no device to be online until it says hello (the dashboard and /api/clients
@@ -133,23 +135,10 @@ class RoundEngine(FederationState):
 
     # -- what goes out ----------------------------------------------------------------------------
     def status_message(self, state: str | None = None) -> bytes:
-        m = self._eval_model
-        model = {
-            "model_id": self.bundle.model_id,
-            "task": m.task,
-            "input_shape": shape_text(self.bundle.input_shape),
-            "output_shape": shape_text(m.output_shape),
-        }
+        """The retained status: ``state`` (default: the engine's, with why it waits or failed)."""
         detail = self.detail[:400] if state is None else ""
-        return encode(
-            Status(
-                state=state or self.state,
-                epoch=self.epoch,
-                round_id=self.completed_round,
-                detail=detail,
-                model=model,
-            )
-        )
+        st = make_status(self.bundle, self._eval_model, state or self.state, self.epoch, self.completed_round)
+        return encode(dataclasses.replace(st, detail=detail))
 
     async def _set_state(self, state: str) -> None:
         self.state = state

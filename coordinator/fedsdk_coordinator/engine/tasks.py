@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from fedsdk.model import GraphBundle
-from fedsdk.protocol import Task
+from fedsdk.model import GraphBundle, OnnxModel
+from fedsdk.protocol import Status, Task
 from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies.base import Strategy
 
-__all__ = ["make_task", "shape_text"]
+__all__ = ["make_status", "make_task", "shape_text"]
 
 
 def shape_text(shape: Sequence[int]) -> str:
@@ -84,3 +84,15 @@ def make_task(
         train_graph=bundle.train_graph,
         eval_graph=bundle.eval_graph,
     )
+
+
+def make_status(bundle: GraphBundle, model: OnnxModel, state: str, epoch: str, round_id: int) -> Status:
+    """The coordinator's status, with what the federation trains so that a device can check its data
+    before it joins."""
+    described = {
+        "model_id": bundle.model_id,
+        "task": model.task,
+        "input_shape": shape_text(bundle.input_shape),
+        "output_shape": shape_text(model.output_shape),
+    }
+    return Status(state=state, epoch=epoch, round_id=round_id, model=described)
