@@ -6,11 +6,11 @@
                          he=load_he("kit/he")) as client:
         summary = await client.run()
 
-The client says hello whenever it sees a new coordinator instance (the retained status topic carries the
-coordinator's epoch), answers every task addressed to it, and applies each aggregate once, for the round
-it belongs to. It stops when the coordinator reports ``finished`` or ``failed``. Training, sensitivity,
-masking, encryption and decryption run in a worker thread so the event loop (and the MQTT link) stays
-responsive.
+The client says hello whenever it sees a new coordinator instance, answers every task addressed to it, and
+applies each aggregate once, for the round it belongs to. It stops when the coordinator reports
+``finished`` or ``failed``. Training, sensitivity, masking, encryption and decryption run in a worker thread
+so the event loop (and the MQTT link) stays responsive. The session (hello, status, reconnects, goodbye,
+run conditions) is the link's (``link.py``); what the parts share is the device's state (``state.py``).
 
 A task's ``phase`` is ``sketch`` (first round of a clustered federation: send a sensitivity sketch) or
 ``train``; its ``mask`` mode says whether the update goes in plaintext (``none``) or under HE (see
@@ -27,21 +27,13 @@ an ``Error`` of code ``self_audit`` and the withheld update is counted (``Client
 update carries the check's ``self_audit_max_db`` and ``self_audit_s`` in its metrics. Models whose first
 layer is not a Linear layer reading the samples (the ``cnn`` preset) are not audited; this is logged once.
 
-Restarts and reconnects (tracker issue 5, item 5; ``docs/operations.md``, "Crash and restart"):
+Restarts (``docs/operations.md``, "Crash and restart"; the link's part is in ``link.py``):
 
-* The device says hello again when the status carries a new coordinator epoch (a restarted coordinator) and
-  after each reconnect of its own link (the coordinator may have taken its connection-lost will for a
-  goodbye). The hello's device facts carry ``model_round``: the round of the model it holds, -1 for none, so
-  a coordinator under HE knows whether the device still holds its cluster's model.
 * Replay protection is per round number, across epochs: a task for a round older than the last one this
   device accepted is refused (``stale_round``). A task for *the same* round and cluster as the last one is
   answered with the reply already sent for it, byte for byte, without training again: a restarted
   coordinator, or one whose link dropped, asks again for the replies it does not hold. Re-sending the
   same bytes reveals nothing new, whoever replays the task; training again on a replayed task would.
-* A reply whose upload fails (the link stayed down past the transport's timeout) is sent again, whole, once
-  the link is back; beyond that the coordinator's next request gets it from the cache. Chunks the broker
-  had not acknowledged are re-sent by the transport; a message whose chunks the broker lost (a broker
-  restart) is never reassembled, which is why the whole reply is re-sent on request.
 * An aggregate is applied once, for a round this device trained in and its cluster: a retained aggregate
   seen again after a reconnect, or one for another round, is counted (``stale_round``) and ignored.
 
@@ -61,12 +53,14 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedsdk import __version__, pipeline
+from fedsdk import pipeline
+from fedsdk.client.link import Link
+from fedsdk.client.state import ClientSummary, DeviceState, Pending, RoundRecord, model_input
 from fedsdk.coop import PeerShare, ShareBook, share_ranks, share_wait
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.base import Aggregate as HEAggregate
@@ -84,79 +78,31 @@ from fedsdk.errors import (
     ValidationError,
 )
 from fedsdk.model import OnnxModel, OnnxTrainer, Trainer, TrainResult
-from fedsdk.model.data import fit_to_model
 from fedsdk.model.export import write_onnx
 from fedsdk.noise import noise_clear, rdp_epsilon
-from fedsdk.profile import calibrate_he, device_facts
 from fedsdk.protocol import (
-    BYE_LEAVING,
-    BYE_LOST,
-    DATA_MISMATCH,
     Aggregate,
     BaseMessage,
-    Bye,
     DecryptShare,
     EncryptedAggregate,
     Error,
-    Hello,
     Report,
     ShareBundle,
     Sketch,
     Status,
     Task,
     Update,
-    decode,
     encode,
 )
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import RejectCounter, check_task
 from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB, check_threshold, self_audit
-from fedsdk.transport import MqttTransport, TlsConfig, Will
+from fedsdk.transport import MqttTransport, TlsConfig
 
 __all__ = ["ClientSummary", "FedClient", "RoundRecord"]
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    round_id: int
-    cluster_id: int
-    num_samples: int
-    loss: float
-    train_s: float
-    upload_s: float
-    update_bytes: int
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ClientSummary:
-    client_id: str
-    state: str = "running"
-    cluster_id: int | None = None
-    rounds: list[RoundRecord] = field(default_factory=list)
-    applied_rounds: list[int] = field(default_factory=list)
-    accuracy: dict[int, float] = field(default_factory=dict)  # per round: the held-out ``metric``
-    metric: str = "accuracy"  # what ``accuracy`` holds: accuracy, mae (regression) or label_accuracy
-    rejected: dict[str, int] = field(default_factory=dict)
-    resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
-    send_failures: int = 0  # uploads that failed for good (the coordinator asks again when it misses them)
-    withheld: int = 0  # updates not sent because the self-audit recovered local samples from them
-    reason: str = ""  # why the run ended as it did, or the last failure (a task or an aggregate refused)
-
-
-@dataclass
-class _Pending:
-    task: Task
-    base: list[np.ndarray]  # the model the device trained from
-    upload_s: float = 0.0
-    book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
-    applying: bool = False  # its aggregate is being applied
-    # the shapes and the update whose leakage count runs after sending (every pack encrypted)
-    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = None
-    leak: asyncio.Future[dict[str, float]] | None = None  # the count, for the round's report
 
 
 @dataclass(frozen=True)
@@ -182,13 +128,8 @@ def _weight_unit(config: Mapping[str, Any]) -> int:
     return unit
 
 
-def _dims(text: object) -> tuple[int, ...]:
-    """``"1,28,28"`` -> ``(1, 28, 28)`` (a shape as a status message carries it)."""
-    return tuple(int(d) for d in str(text).split(",") if d.strip())
-
-
 class FedClient:
-    """One device's membership in a federation. Owns its MQTT transport."""
+    """One device's membership in a federation. Owns its MQTT transport (through its link)."""
 
     def __init__(
         self,
@@ -220,60 +161,68 @@ class FedClient:
         self._self_audit_skip_logged = False
         self.client_id = client_id
         self.federation = federation
-        self._data = data
-        self._trainer = trainer
-        self._eval = eval_data
-        self._he = he
+        self._device = DeviceState(
+            client_id, federation, data, eval_data, trainer, he, summary=ClientSummary(client_id)
+        )
         self._pool_capacity = pool_capacity
         self._threads = intra_op_threads
-        self._models: dict[str, OnnxModel] = {}
-        self._model_id: str | None = None
-        self._fitted_for = ""  # the model whose description the local data was last checked against
         self._state = "unopened"
-        self._hello_epoch: str | None = None
         self._last_task_round: int | None = None
         self._answer: _Answer | None = None
-        self._model_round = -1  # the round of the model this device holds (-1: none yet)
         self._dp_rounds = 0  # rounds whose clear part this process released with noise (fedsdk.noise)
-        self._reconnected = asyncio.Event()
-        self._heard = time.monotonic()  # when the coordinator was last heard from (any message)
-        self._last_round_at: float | None = None  # when the federation's last round was applied
-        self._pending: dict[int, _Pending] = {}
         self._applying: set[asyncio.Task[None]] = set()
         self._sealer: ShareSealer | None = None
-        self._cluster_topic: str | None = None
         self._shapes: list[tuple[int, ...]] = []
-        self._he_vps: float | None = None
-        self._uplink: float | None = None
-        self._probe_bytes = probe_bytes
-        self.weights: list[np.ndarray] | None = None
-        self.rejected = RejectCounter()
-        self.summary = ClientSummary(client_id)
-        will_payload = encode(Bye(client_id=client_id, reason=BYE_LOST))
-        self._transport = MqttTransport.from_url(
-            broker_url,
-            client_id=client_id,
-            tls=tls,
-            insecure=insecure,
-            timeout=timeout,
-            will=Will(T.up(federation, client_id, T.BYE), will_payload, qos=1, retain=False),
+        self._link = Link(
+            self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
         )
-        self._transport.on_reconnect = lambda _n: self._reconnected.set()
+
+    # -- the device's state, as an app (and the tests) read it --------------------------------
+    @property
+    def summary(self) -> ClientSummary:
+        return self._device.summary
+
+    @property
+    def rejected(self) -> RejectCounter:
+        return self._device.rejected
+
+    @property
+    def weights(self) -> list[np.ndarray] | None:
+        """The model this device holds: the last aggregate it applied (None before the first)."""
+        return self._device.weights
+
+    @weights.setter
+    def weights(self, value: list[np.ndarray] | None) -> None:
+        self._device.weights = value
 
     @property
     def num_samples(self) -> int:
-        if self._trainer is not None:
-            return int(self._trainer.num_samples)
-        assert self._data is not None
-        return len(self._data[1])
+        return self._device.num_samples
+
+    @property
+    def _he(self) -> HEBackend | None:
+        return self._device.he
+
+    @property
+    def _models(self) -> dict[str, OnnxModel]:
+        return self._device.models
+
+    @property
+    def _model_id(self) -> str | None:
+        return self._device.model_id
+
+    @property
+    def _transport(self) -> MqttTransport:
+        return self._link.transport
 
     def export_onnx(self, path: str | os.PathLike[str] | None = None) -> bytes:
         """The model this device holds (the last aggregate it applied), as an ONNX inference model that
         maps ``x`` to ``logits`` in any ONNX runtime; written to ``path`` too when given. Under HE only the
         devices hold the weights, so this is where a federation's model comes out."""
-        if self.weights is None or self._model_id is None or self._model_id not in self._models:
+        device = self._device
+        if device.weights is None or device.model_id is None or device.model_id not in device.models:
             raise StateError("this device holds no model yet: no round's aggregate was applied")
-        blob = self._models[self._model_id].export_onnx(self.weights)
+        blob = device.models[device.model_id].export_onnx(device.weights)
         if path is not None:
             write_onnx(path, blob)
         return blob
@@ -282,23 +231,19 @@ class FedClient:
     async def __aenter__(self) -> FedClient:
         if self._state != "unopened":
             raise StateError(f"FedClient is {self._state}; it can be opened once")
-        if self._he is not None:  # measured HE throughput for the hello (DESIGN.md step 1)
-            self._he_vps = await asyncio.get_running_loop().run_in_executor(None, calibrate_he, self._he)
-        await self._transport.connect()
+        await self._link.connect()
         self._state = "open"
-        await self._transport.subscribe(T.status(self.federation))
-        await self._transport.subscribe(T.down(self.federation, self.client_id))
-        if self._probe_bytes > 0:
-            self._uplink = await self._probe_uplink()
-        if self._he is not None and self._pool_capacity and hasattr(self._he, "start_pool"):
-            self._he.start_pool(self._pool_capacity)  # idle-time obfuscators (DESIGN.md, Crypto)
+        await self._link.subscribe()
+        he = self._device.he
+        if he is not None and self._pool_capacity and hasattr(he, "start_pool"):
+            he.start_pool(self._pool_capacity)  # idle-time obfuscators (DESIGN.md, Crypto)
         return self
 
     def _size_pool(self, n_values: int) -> None:
         """With the default pool (``pool_capacity=None``): start or resize it for this model at the first task
         that carries it, so that it fills during the sketch round, while the device trains and between rounds
         (``fedsdk.crypto.pool.auto_capacity``)."""
-        he = self._he
+        he = self._device.he
         if self._pool_capacity is not None or he is None or not hasattr(he, "start_pool"):
             return
         bits = int(he.keys.key_bits)  # type: ignore[attr-defined]  # the packed backend's keys
@@ -309,15 +254,11 @@ class FedClient:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._state == "open":
-            try:
-                bye = encode(Bye(client_id=self.client_id, reason=BYE_LEAVING))
-                await self._transport.publish(T.up(self.federation, self.client_id, T.BYE), bye, timeout=2.0)
-            except FedError:
-                pass
+            await self._link.goodbye()
         self._state = "closed"
-        if self._he is not None:
-            self._he.close()
-        await self._transport.close()
+        if self._device.he is not None:
+            self._device.he.close()
+        await self._link.close()
 
     # -- the loop -----------------------------------------------------------------------------
     async def run(
@@ -337,12 +278,12 @@ class FedClient:
         """
         if self._state != "open":
             raise StateError("FedClient.run() needs an open client: use 'async with FedClient(...)'")
-        self._heard = time.monotonic()
+        summary = self._device.summary
         rehello = asyncio.create_task(
-            self._hello_after_reconnects(), name=f"fedclient-rehello-{self.client_id}"
+            self._link.hello_after_reconnects(self._publish), name=f"fedclient-rehello-{self.client_id}"
         )
         watch = asyncio.create_task(
-            self._watch(idle_timeout, final_wait), name=f"fedclient-watch-{self.client_id}"
+            self._link.watch(idle_timeout, final_wait), name=f"fedclient-watch-{self.client_id}"
         )
         loop_task = asyncio.create_task(self._loop(), name=f"fedclient-loop-{self.client_id}")
         try:
@@ -352,95 +293,48 @@ class FedClient:
             if loop_task in done:
                 loop_task.result()
             elif watch in done:
-                self.summary.state, self.summary.reason = watch.result()
-                log.warning("%s", self.summary.reason)
+                summary.state, summary.reason = watch.result()
+                log.warning("%s", summary.reason)
             else:
-                self.summary.state, self.summary.reason = "timeout", f"no end within {timeout} s"
+                summary.state, summary.reason = "timeout", f"no end within {timeout} s"
         finally:
             for t in (loop_task, rehello, watch, *self._applying):
                 t.cancel()
             await asyncio.gather(loop_task, rehello, watch, *self._applying, return_exceptions=True)
-        self.summary.rejected = self.rejected.as_dict()
-        return self.summary
-
-    async def _watch(self, idle_timeout: float | None, final_wait: float) -> tuple[str, str]:
-        """Returns (state, reason) once the coordinator has been silent too long, or the last round is
-        applied and ``finished`` did not come."""
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.monotonic()
-            if self._last_round_at is not None and now - self._last_round_at > final_wait:
-                n = len(self.summary.applied_rounds)
-                return "finished", (
-                    f"the federation's last round was applied ({n} rounds); "
-                    f"the coordinator's 'finished' did not arrive within {final_wait:.0f} s"
-                )
-            if idle_timeout is not None and now - self._heard > idle_timeout:
-                return "coordinator_lost", f"nothing heard from the coordinator for {idle_timeout:.0f} s"
-
-    async def _hello_after_reconnects(self) -> None:
-        """Say hello again after each reconnect of our link, once a coordinator has been seen."""
-        while True:
-            await self._reconnected.wait()
-            self._reconnected.clear()
-            if self._hello_epoch is None:
-                continue
-            try:
-                await self._say_hello()
-                log.info("hello sent again after a reconnect")
-            except TransportClosed:
-                return
-            except TransportError as exc:
-                log.warning("hello after a reconnect failed: %s", exc)
+        summary.rejected = self._device.rejected.as_dict()
+        return summary
 
     async def _loop(self) -> None:
+        """Hand each incoming message to the part of the client it is for."""
+        link = self._link
         try:
-            async for msg in self._transport.messages():
-                try:
-                    decoded: BaseMessage = decode(msg.payload)
-                except ValidationError as exc:
-                    self.rejected.add(exc.code)
-                    log.warning("rejected message on %s: %s", msg.topic, exc.reason)
-                    continue
-                self._heard = time.monotonic()
+            async for topic, decoded in link.messages():
                 try:
                     if isinstance(decoded, Status):
-                        if await self._on_status(decoded):
+                        if await link.on_status(decoded, self._publish):
                             return
-                    elif isinstance(decoded, Task) and msg.topic == T.down(self.federation, self.client_id):
+                    elif isinstance(decoded, Task) and topic == link.down_topic:
                         await self._on_task(decoded)
                     elif isinstance(decoded, Aggregate | EncryptedAggregate):
                         self._start_apply(decoded)
-                    elif isinstance(decoded, ShareBundle) and msg.topic == self._cluster_topic:
+                    elif isinstance(decoded, ShareBundle) and topic == link.cluster_topic:
                         self._on_bundle(decoded)
                     else:
-                        self.rejected.add("bad_kind")
-                        log.warning("unexpected %s on %s", type(decoded).__name__, msg.topic)
+                        self._device.rejected.add("bad_kind")
+                        log.warning("unexpected %s on %s", type(decoded).__name__, topic)
                 except TransportClosed:
                     raise
                 except TransportError as exc:  # the link stayed down: the coordinator asks again later
-                    self.summary.send_failures += 1
+                    self._device.summary.send_failures += 1
                     log.warning("could not answer a %s: %s", type(decoded).__name__, exc)
         except TransportClosed:
-            self.summary.state = "disconnected"
+            self._device.summary.state = "disconnected"
 
     async def _send(self, kind: str, payload: bytes) -> tuple[float, int]:
-        """Publish ``payload`` on our ``kind`` topic; if the upload fails (the link stayed down past the
-        transport's timeout), wait for the link and send the whole payload once more."""
-        topic = T.up(self.federation, self.client_id, kind)
-        t0 = time.perf_counter()
-        try:
-            await self._transport.publish(topic, payload)
-        except TransportClosed:
-            raise
-        except TransportError as exc:
-            log.warning("upload of %d bytes on %s failed (%s): sending it again", len(payload), kind, exc)
-            await self._transport.wait_connected()
-            await self._transport.publish(topic, payload)
-        return time.perf_counter() - t0, len(payload)
+        return await self._link.send(kind, payload)
 
     async def _publish(self, kind: str, msg: BaseMessage) -> tuple[float, int]:
-        return await self._send(kind, encode(msg))
+        return await self._link.publish(kind, msg)
 
     async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
         """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
@@ -448,83 +342,8 @@ class FedClient:
         self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
         return await self._send(kind, payload)
 
-    async def _say_hello(self) -> None:
-        facts: dict[str, Any] = dict(device_facts())
-        facts["model_round"] = self._model_round
-        hello = Hello(
-            client_id=self.client_id,
-            num_samples=self.num_samples,
-            sdk_version=__version__,
-            device=facts,
-            he_values_per_s=self._he_vps,
-            uplink_bytes_per_s=self._uplink,
-        )
-        await self._publish(T.HELLO, hello)
-
-    async def _on_status(self, status: Status) -> bool:
-        if status.state in ("finished", "failed"):
-            self.summary.state = status.state
-            if status.detail:
-                self.summary.reason = status.detail
-            log.info("coordinator reports %s after round %d", status.state, status.round_id)
-            return True
-        if status.detail:
-            log.warning("coordinator: %s", status.detail)
-        if status.state in ("online", "running") and status.epoch != self._hello_epoch:
-            reason = self._fit_data(status.model)
-            if reason is not None:  # nothing is trained: the coordinator hears why, and goes on without us
-                err = Error(client_id=self.client_id, round_id=0, code=DATA_MISMATCH, reason=reason[:500])
-                await self._publish(T.ERROR, err)
-                self.summary.state, self.summary.reason = "refused", reason
-                log.error("the federation's model does not fit this device's data: %s", reason)
-                return True
-            await self._say_hello()
-            self._hello_epoch = status.epoch
-            log.info("hello sent to coordinator %s", status.epoch)
-        return False
-
-    def _fit_data(self, model: Mapping[str, Any]) -> str | None:
-        """Check the local (and held-out) data against the model a coordinator's status describes, and shape
-        it for that model (:func:`~fedsdk.model.data.fit_to_model`); returns why it does not fit, or None.
-        An app's own trainer, or a status that describes no model, is not checked here."""
-        if self._trainer is not None or self._data is None or not model.get("input_shape"):
-            return None
-        model_id = str(model.get("model_id", ""))
-        if model_id and model_id == self._fitted_for:
-            return None
-        try:
-            ins, outs = _dims(model["input_shape"]), _dims(model.get("output_shape", ""))
-            task = str(model.get("task", "classification"))
-            data = fit_to_model(*self._data, input_shape=ins, output_shape=outs, task=task)
-            held = self._eval
-            if held is not None:
-                held = fit_to_model(*held, input_shape=ins, output_shape=outs, task=task, what="held-out")
-        except (TrainingError, ValueError) as exc:
-            return str(exc)
-        self._data, self._eval, self._fitted_for = data, held, model_id
-        return None
-
-    async def _probe_uplink(self) -> float | None:
-        """The initial uplink estimate (DESIGN.md step 1): time ``probe_bytes`` of random bytes to the broker.
-
-        Later estimates come from the real update uploads (the coordinator's moving average)."""
-        payload = os.urandom(self._probe_bytes)
-        t0 = time.perf_counter()
-        try:
-            await self._transport.publish(T.up(self.federation, self.client_id, T.PROBE), payload)
-        except FedError as exc:
-            log.warning("uplink probe failed: %s", exc)
-            return None
-        return len(payload) / max(time.perf_counter() - t0, 1e-6)
-
     async def _follow_cluster(self, cluster_id: int) -> None:
-        topic = T.cluster(self.federation, cluster_id)
-        if topic != self._cluster_topic:
-            if self._cluster_topic is not None:
-                await self._transport.unsubscribe(self._cluster_topic)
-            await self._transport.subscribe(topic)
-            self._cluster_topic = topic
-            self.summary.cluster_id = cluster_id
+        await self._link.follow_cluster(cluster_id)
 
     async def _on_task(self, task: Task) -> None:
         if self._applying:  # the task may build on the model an aggregate still being applied makes
@@ -535,7 +354,7 @@ class FedClient:
             if phase == "train":
                 await self._follow_cluster(task.cluster_id)
             await self._send(ans.kind, ans.payload)
-            self.summary.resent += 1
+            self._device.summary.resent += 1
             log.info(
                 "round %d asked again: the same reply re-sent (%d bytes)", task.round_id, len(ans.payload)
             )
@@ -543,7 +362,7 @@ class FedClient:
         try:
             check_task(task, last_round=self._last_task_round)
         except ValidationError as exc:
-            self.rejected.add(exc.code)
+            self._device.rejected.add(exc.code)
             log.warning("rejected task: %s", exc.reason)
             return
         self._last_task_round = task.round_id
@@ -555,9 +374,9 @@ class FedClient:
                 base = [np.array(w, dtype=np.float32) for w in task.weights]
                 self._shapes = [tuple(w.shape) for w in base]
                 if phase == "train":
-                    self._model_round = task.round_id - 1  # the task's model is round r-1's result
-            elif self.weights is not None:
-                base = [w.copy() for w in self.weights]
+                    self._device.model_round = task.round_id - 1  # the task's model is round r-1's result
+            elif self._device.weights is not None:
+                base = [w.copy() for w in self._device.weights]
             else:
                 raise TrainingError("the task carries no model and this device holds none (joined late?)")
             if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
@@ -567,13 +386,13 @@ class FedClient:
                 await self._reply(task, phase, T.SKETCH, msg)
                 log.info("round %d: sensitivity sketch sent", task.round_id)
                 return
-            pending = _Pending(task, base)
-            self._pending[task.round_id] = pending
+            pending = Pending(task, base)
+            self._device.pending[task.round_id] = pending
             msg, record = await loop.run_in_executor(None, self._train_and_protect, task, base)
         except UpdateWithheld as exc:
-            self.summary.withheld += 1
+            self._device.summary.withheld += 1
             log.warning("round %d: %s", task.round_id, exc)
-            self.summary.reason = f"round {task.round_id}: {exc}"
+            self._device.summary.reason = f"round {task.round_id}: {exc}"
             err = Error(
                 client_id=self.client_id, round_id=task.round_id, code=exc.code, reason=str(exc)[:500]
             )
@@ -581,7 +400,7 @@ class FedClient:
             return
         except (FedError, ValueError) as exc:
             log.error("round %d: %s", task.round_id, exc)
-            self.summary.reason = f"round {task.round_id}: {exc}"
+            self._device.summary.reason = f"round {task.round_id}: {exc}"
             err = Error(
                 client_id=self.client_id, round_id=task.round_id, code="device", reason=str(exc)[:500]
             )
@@ -589,7 +408,7 @@ class FedClient:
             return
 
         def trained(upload_s: float, nbytes: int) -> None:
-            self.summary.rounds.append(
+            self._device.summary.rounds.append(
                 RoundRecord(
                     task.round_id, task.cluster_id, record["num_samples"], record["loss"], record["train_s"],
                     upload_s, nbytes, {k: v for k, v in record.items() if k not in ("num_samples", "loss")},
@@ -614,8 +433,8 @@ class FedClient:
 
     # -- work in the executor -----------------------------------------------------------------
     def _model_for(self, task: Task) -> OnnxModel:
-        model_id = task.model_id or self._model_id
-        model = self._models.get(model_id or "")
+        model_id = task.model_id or self._device.model_id
+        model = self._device.models.get(model_id or "")
         if model is None:
             if not task.train_graph or not task.eval_graph or not task.param_names:
                 raise TrainingError(f"task for unknown model {task.model_id!r} carries no graphs")
@@ -626,28 +445,18 @@ class FedClient:
                 self._shapes,
                 intra_op_num_threads=self._threads,
             )
-            self._models[task.model_id] = model
-            self._model_id = task.model_id
+            self._device.models[task.model_id] = model
+            self._device.model_id = task.model_id
         return model
 
     def _local_xy(self, task: Task) -> tuple[np.ndarray, np.ndarray]:
-        assert self._data is not None
-        x, y = self._data
-        return self._reshape(task, x), y
-
-    def _reshape(self, task: Task, x: np.ndarray) -> np.ndarray:
-        shape = _dims(task.config.get("input_shape", ""))
-        if shape:
-            if int(np.prod(shape)) != int(np.prod(x.shape[1:])):
-                raise TrainingError(
-                    f"local samples of shape {x.shape[1:]} do not fit the model input {shape}"
-                )
-            x = x.reshape((-1, *shape))
-        return x
+        assert self._device.data is not None
+        x, y = self._device.data
+        return model_input(task, x), y
 
     def _fit(self, task: Task, base: list[np.ndarray]) -> TrainResult:
-        if self._trainer is not None:
-            return self._trainer.fit(base)
+        if self._device.trainer is not None:
+            return self._device.trainer.fit(base)
         model = self._model_for(task)
         x, y = self._local_xy(task)
         trainer = OnnxTrainer(
@@ -663,7 +472,7 @@ class FedClient:
         return trainer.fit(base, seed=int(task.config.get("seed", task.round_id)))
 
     def _sketch(self, task: Task, base: list[np.ndarray]) -> Sketch:
-        if self._data is None:
+        if self._device.data is None:
             raise TrainingError("a sensitivity sketch needs the local data (x, y)")
         t0 = time.perf_counter()
         x, y = self._local_xy(task)
@@ -701,7 +510,7 @@ class FedClient:
                 metrics=metrics,
             )
             return update, record
-        if self._he is None:
+        if self._device.he is None:
             raise ConfigError("this federation encrypts updates: give the device its HE key (--he DIR)")
         flat = pipeline.flatten(delta)
         choice = pipeline.choose_mask(
@@ -709,16 +518,16 @@ class FedClient:
             weights=result.weights,
             gradients=result.gradients,
             update=flat,
-            pack_size=self._he.pack_size,
+            pack_size=self._device.he.pack_size,
             seed=int(task.config.get("seed", task.round_id)),
-            samples=self._local_xy(task)[0] if self._data is not None else None,
+            samples=self._local_xy(task)[0] if self._device.data is not None else None,
         )
         if choice.leak_deferred:
-            pending = self._pending.get(task.round_id)
+            pending = self._device.pending.get(task.round_id)
             if pending is not None:
                 pending.leak_input = ([tuple(w.shape) for w in base], flat)
         z = float(task.config.get("mask_noise", 0.0))
-        hidden = np.repeat(choice.mask, self._he.pack_size)[: flat.size]
+        hidden = np.repeat(choice.mask, self._device.he.pack_size)[: flat.size]
         if z > 0:  # Gaussian noise on the clear part (fedsdk.noise)
             clip = float(task.config.get("mask_clip", 1.0))
             flat, factor = noise_clear(flat, hidden, clip=clip, noise_multiplier=z)
@@ -732,8 +541,8 @@ class FedClient:
         audit = self._check_own_update(task, base, flat, hidden)
         metrics.update(audit)
         record.update(audit)
-        weight = self._he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
-        contribution, enc = pipeline.protect(self._he, flat, weight, choice.mask)
+        weight = self._device.he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
+        contribution, enc = pipeline.protect(self._device.he, flat, weight, choice.mask)
         metrics.update(choice.seconds)
         metrics.update(choice.counts)
         metrics.update(enc)
@@ -755,9 +564,9 @@ class FedClient:
 
     def _leak_count(self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
         """The leakage counts of an update sent whole under encryption (:func:`pipeline.leak_count`)."""
-        samples = self._local_xy(task)[0] if self._data is not None else None
-        assert self._he is not None
-        return pipeline.leak_count(task.config, shapes, flat, samples, self._he.pack_size)
+        samples = self._local_xy(task)[0] if self._device.data is not None else None
+        assert self._device.he is not None
+        return pipeline.leak_count(task.config, shapes, flat, samples, self._device.he.pack_size)
 
     def _check_own_update(
         self, task: Task, base: list[np.ndarray], flat: np.ndarray, hidden: np.ndarray | None
@@ -788,19 +597,19 @@ class FedClient:
     def _decrypt_packs(self, round_id: int, agg: HEAggregate, ranks: list[int]) -> list[Any]:
         """Raw decryptions of the ciphertexts of round ``round_id``'s ``agg`` at ``ranks`` (in the executor;
         timed by the caller)."""
-        he = self._he
+        he = self._device.he
         assert he is not None
         return he.decrypt_ranks(agg, ranks)
 
     def _apply(
-        self, agg: Aggregate | EncryptedAggregate, pending: _Pending, sums: list[Any] | None = None
+        self, agg: Aggregate | EncryptedAggregate, pending: Pending, sums: list[Any] | None = None
     ) -> dict[str, float]:
         """Make the round's model from ``agg`` (with ``sums``, the raw decryptions of its ciphertexts, for
         an encrypted one) and evaluate it."""
         t0 = time.perf_counter()
         if isinstance(agg, EncryptedAggregate):
-            assert self._he is not None and sums is not None
-            avg = self._he.merge_aggregate(pipeline.he_aggregate_from_message(agg), sums)
+            assert self._device.he is not None and sums is not None
+            avg = self._device.he.merge_aggregate(pipeline.he_aggregate_from_message(agg), sums)
             delta = pipeline.unflatten(avg, [tuple(w.shape) for w in pending.base])
             new = [b + d for b, d in zip(pending.base, delta, strict=True)]
         elif agg.kind == "delta":  # from the key server: one flat array, or one array per parameter
@@ -816,11 +625,11 @@ class FedClient:
         if [w.shape for w in new] != [w.shape for w in pending.base]:
             raise ValidationError("wrong_shape", "aggregate does not match the model's shapes")
         out = {"merge_s": time.perf_counter() - t0, "upload_s": pending.upload_s}
-        self.weights = new
-        if self._eval is not None and self._model_id is not None:
-            model, (x, y) = self._models[self._model_id], self._eval
-            loss, value = model.evaluate(new, self._reshape(pending.task, x), y)
-            self.summary.metric = model.metric_name
+        self._device.weights = new
+        if self._device.eval is not None and self._device.model_id is not None:
+            model, (x, y) = self._device.models[self._device.model_id], self._device.eval
+            loss, value = model.evaluate(new, model_input(pending.task, x), y)
+            self._device.summary.metric = model.metric_name
             out.update({"test_loss": loss, f"test_{model.metric_name}": value, "test_samples": float(len(y))})
         return out
 
@@ -828,11 +637,11 @@ class FedClient:
     def _share_sealer(self) -> ShareSealer | None:
         if (
             self._sealer is None
-            and self._he is not None
-            and self._he.can_decrypt
-            and self._he.name == "packed"
+            and self._device.he is not None
+            and self._device.he.can_decrypt
+            and self._device.he.name == "packed"
         ):
-            self._sealer = ShareSealer(self._he)
+            self._sealer = ShareSealer(self._device.he)
         return self._sealer
 
     def _on_bundle(self, bundle: ShareBundle) -> None:
@@ -846,7 +655,7 @@ class FedClient:
         """One relayed share: open it and keep it for its round. Opening is the authentication (AES-GCM over
         federation, round, cluster, sender and packs); the plaintexts are checked when the aggregate is
         decoded (``_recheck_shares``)."""
-        pending = self._pending.get(round_id)
+        pending = self._device.pending.get(round_id)
         if sender == self.client_id or pending is None or cluster_id != pending.task.cluster_id:
             return  # our own echo, or a round this device is not applying: nothing to do
         sealer = self._share_sealer()
@@ -862,7 +671,7 @@ class FedClient:
                 packs=packs,
             )
         except CryptoError as exc:
-            self.rejected.add("bad_share")
+            self._device.rejected.add("bad_share")
             log.warning("round %d: share of %s refused: %s", round_id, sender, exc)
             return
         pending.book.add(PeerShare(sender, np.array(packs, dtype=np.int64), plains))
@@ -906,7 +715,7 @@ class FedClient:
                 continue
             from_peer[sender] = []
             if any(int(p) not in rank_of for p in peer.packs):
-                self.rejected.add("bad_share")
+                self._device.rejected.add("bad_share")
                 log.warning("round %d: share of %s names packs outside the union", agg.round_id, sender)
                 continue
             for p, m in zip(peer.packs, peer.plains, strict=True):
@@ -918,11 +727,11 @@ class FedClient:
         return new
 
     async def _decrypt(
-        self, agg: EncryptedAggregate, pending: _Pending
+        self, agg: EncryptedAggregate, pending: Pending
     ) -> tuple[list[Any], dict[str, float], dict[str, list[int]]]:
         """The raw decryptions of all of ``agg``'s ciphertexts: ours, and the cluster's shares when the task
         asked for cooperative decryption (module docstring), with the ranks each peer's share filled."""
-        he = self._he
+        he = self._device.he
         if he is None or not he.can_decrypt:
             raise CryptoError("an encrypted aggregate needs the secret key (key mode 'shared')")
         loop = asyncio.get_running_loop()
@@ -989,7 +798,7 @@ class FedClient:
         """After the assembled aggregate failed to decode: decode each peer's part on its own, refuse the
         shares that fail, and decrypt their packs ourselves (in ``sums``). False when no share was at fault
         (the aggregate itself is bad)."""
-        he = self._he
+        he = self._device.he
         assert he is not None
         hagg = pipeline.he_aggregate_from_message(agg)
         bad: list[int] = []
@@ -999,7 +808,7 @@ class FedClient:
             try:
                 he.decode([sums[r] for r in ranks], hagg.total_weight)
             except CryptoError as exc:
-                self.rejected.add("bad_share")
+                self._device.rejected.add("bad_share")
                 log.warning("round %d: share of %s does not decode: %s", agg.round_id, sender, exc)
                 bad += from_peer.pop(sender)
         if not bad:
@@ -1026,18 +835,18 @@ class FedClient:
         except TransportClosed:
             pass  # the message loop sees the closed link too
         except TransportError as exc:  # the link stayed down: the coordinator goes on without our report
-            self.summary.send_failures += 1
+            self._device.summary.send_failures += 1
             log.warning("could not send the report of round %d: %s", agg.round_id, exc)
 
     async def _on_aggregate(self, agg: Aggregate | EncryptedAggregate) -> None:
-        pending = self._pending.get(agg.round_id)
+        pending = self._device.pending.get(agg.round_id)
         if (
             pending is None
             or pending.applying
-            or agg.round_id in self.summary.applied_rounds
+            or agg.round_id in self._device.summary.applied_rounds
             or agg.cluster_id != pending.task.cluster_id
         ):
-            self.rejected.add("stale_round")
+            self._device.rejected.add("stale_round")
             return
         pending.applying = True
         loop = asyncio.get_running_loop()
@@ -1057,11 +866,11 @@ class FedClient:
                 metrics = await loop.run_in_executor(None, self._apply, agg, pending, sums)
         except (ValidationError, CryptoError, ValueError) as exc:
             pending.applying = False
-            self.rejected.add(
+            self._device.rejected.add(
                 getattr(exc, "code", "crypto" if isinstance(exc, CryptoError) else "bad_aggregate")
             )
             log.warning("rejected aggregate of round %d: %s", agg.round_id, exc)
-            self.summary.reason = f"round {agg.round_id}: aggregate refused: {exc}"
+            self._device.summary.reason = f"round {agg.round_id}: aggregate refused: {exc}"
             return
         metrics.update(dec)
         metrics.setdefault("decrypt_s", 0.0)
@@ -1070,20 +879,20 @@ class FedClient:
                 metrics.update(await pending.leak)
             except (FedError, ValueError) as exc:
                 log.warning("round %d: leakage count failed: %s", agg.round_id, exc)
-        self.summary.applied_rounds.append(agg.round_id)
-        self._model_round = agg.round_id
+        self._device.summary.applied_rounds.append(agg.round_id)
+        self._device.model_round = agg.round_id
         last = pending.task.config.get("rounds")
         if isinstance(last, int | float) and agg.round_id >= last:
-            self._last_round_at = time.monotonic()
-        self._pending = {r: p for r, p in self._pending.items() if r > agg.round_id}
-        value = metrics.get(f"test_{self.summary.metric}")
+            self._device.last_round_at = time.monotonic()
+        self._device.pending = {r: p for r, p in self._device.pending.items() if r > agg.round_id}
+        value = metrics.get(f"test_{self._device.summary.metric}")
         if value is not None:
-            self.summary.accuracy[agg.round_id] = value
+            self._device.summary.accuracy[agg.round_id] = value
         report = Report(
             client_id=self.client_id, round_id=agg.round_id, cluster_id=agg.cluster_id, metrics=metrics
         )
         await self._publish(T.REPORT, report)
-        shown = "" if value is None else f", held-out {self.summary.metric} {value:.4f}"
+        shown = "" if value is None else f", held-out {self._device.summary.metric} {value:.4f}"
         progress.info(
             "round %d cluster %d: model applied%s (%.2f s to decrypt and apply)",
             agg.round_id, agg.cluster_id, shown, metrics.get("decrypt_s", 0.0) + metrics.get("merge_s", 0.0),
