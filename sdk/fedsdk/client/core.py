@@ -12,30 +12,14 @@ applies each aggregate once, for the round it belongs to. It stops when the coor
 so the event loop (and the MQTT link) stays responsive. The session (hello, status, reconnects, goodbye,
 run conditions) is the link's (``link.py``); what the parts share is the device's state (``state.py``).
 
-A task's ``phase`` is ``sketch`` (first round of a clustered federation: send a sensitivity sketch) or
-``train``; its ``mask`` mode says whether the update goes in plaintext (``none``) or under HE (see
-:mod:`fedsdk.pipeline`). Under HE the coordinator never sees the whole model, so the device keeps its
+A task (train → sensitivity/leakage → mask → self-audit → protect → upload, or the sketch) and its replay
+protection are ``work.py``'s. Under HE the coordinator never sees the whole model, so the device keeps its
 cluster's model: it starts from the weights of its first task and adds each decrypted average update.
 After applying an aggregate the device evaluates the model on its evaluation data (when it has any) and
 publishes a :class:`~fedsdk.protocol.Report`, with the round's upload time.
 
-Self-audit (``self_audit=True``, ``fedsdk join --self-audit``; :mod:`fedsdk.selfaudit`): after the mask
-and the noise, before encrypting or sending, the device runs the analytic first-layer attack on exactly
-what the coordinator would see of its update (everything under the ``plaintext`` strategy). When a local
-sample is recovered at ``self_audit_db`` (25 dB) or more, the update is withheld: the task is answered with
-an ``Error`` of code ``self_audit`` and the withheld update is counted (``ClientSummary.withheld``). A sent
-update carries the check's ``self_audit_max_db`` and ``self_audit_s`` in its metrics. Models whose first
-layer is not a Linear layer reading the samples (the ``cnn`` preset) are not audited; this is logged once.
-
-Restarts (``docs/operations.md``, "Crash and restart"; the link's part is in ``link.py``):
-
-* Replay protection is per round number, across epochs: a task for a round older than the last one this
-  device accepted is refused (``stale_round``). A task for *the same* round and cluster as the last one is
-  answered with the reply already sent for it, byte for byte, without training again: a restarted
-  coordinator, or one whose link dropped, asks again for the replies it does not hold. Re-sending the
-  same bytes reveals nothing new, whoever replays the task; training again on a replayed task would.
-* An aggregate is applied once, for a round this device trained in and its cluster: a retained aggregate
-  seen again after a reconnect, or one for another round, is counted (``stale_round``) and ignored.
+An aggregate is applied once, for a round this device trained in and its cluster: a retained aggregate seen
+again after a reconnect, or one for another round, is counted (``stale_round``) and ignored.
 
 Cooperative decryption (:mod:`fedsdk.coop`): when the task gives the device a share of the aggregate's
 union, it decrypts that share, publishes it sealed, and assembles the rest from its cluster's shares,
@@ -52,8 +36,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,71 +43,42 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.client.link import Link
 from fedsdk.client.state import ClientSummary, DeviceState, Pending, RoundRecord, model_input
+from fedsdk.client.work import Tasks, TaskSteps, Work
 from fedsdk.coop import PeerShare, ShareBook, share_ranks, share_wait
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.base import Aggregate as HEAggregate
-from fedsdk.crypto.pool import auto_capacity
 from fedsdk.crypto.shares import ShareSealer
 from fedsdk.errors import (
     ConfigError,
     CryptoError,
     FedError,
     StateError,
-    TrainingError,
     TransportClosed,
     TransportError,
-    UpdateWithheld,
     ValidationError,
 )
-from fedsdk.model import OnnxModel, OnnxTrainer, Trainer, TrainResult
+from fedsdk.model import OnnxModel, Trainer, TrainResult
 from fedsdk.model.export import write_onnx
-from fedsdk.noise import noise_clear, rdp_epsilon
 from fedsdk.protocol import (
     Aggregate,
     BaseMessage,
     DecryptShare,
     EncryptedAggregate,
-    Error,
     Report,
     ShareBundle,
     Sketch,
     Status,
     Task,
-    Update,
-    encode,
 )
 from fedsdk.protocol import topics as T
-from fedsdk.protocol.validate import RejectCounter, check_task
-from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB, check_threshold, self_audit
+from fedsdk.protocol.validate import RejectCounter
+from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB
 from fedsdk.transport import MqttTransport, TlsConfig
 
 __all__ = ["ClientSummary", "FedClient", "RoundRecord"]
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
-
-
-@dataclass(frozen=True)
-class _Answer:
-    """The reply to this device's last task, kept to answer the same task again with the same bytes."""
-
-    round_id: int
-    cluster_id: int
-    phase: str
-    kind: str
-    payload: bytes
-
-    def answers(self, task: Task, phase: str) -> bool:
-        """Is ``task`` the task this reply answered (same round, cluster and phase; any epoch)?"""
-        return (self.round_id, self.cluster_id, self.phase) == (task.round_id, task.cluster_id, phase)
-
-
-def _weight_unit(config: Mapping[str, Any]) -> int:
-    """Samples per unit of FedAvg weight in this round (``FixedPoint.weight_unit``; 1 when not given)."""
-    unit = config.get("weight_unit", 1)
-    if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
-        raise ValidationError("bad_field", f"weight_unit must be a positive integer, got {unit!r}")
-    return unit
 
 
 class FedClient:
@@ -154,28 +107,25 @@ class FedClient:
         T.validate_config_id(federation, "federation")
         if data is None and trainer is None:
             raise ConfigError("FedClient needs local data (x, y) or a trainer")
-        self._self_audit_db = check_threshold(self_audit_db)
-        if self_audit and data is None:
-            raise ConfigError("the self-audit needs the local samples: give data=(x, y)")
-        self._self_audit = bool(self_audit)
-        self._self_audit_skip_logged = False
         self.client_id = client_id
         self.federation = federation
         self._device = DeviceState(
             client_id, federation, data, eval_data, trainer, he, summary=ClientSummary(client_id)
         )
-        self._pool_capacity = pool_capacity
-        self._threads = intra_op_threads
+        self._work = Work(
+            self._device,
+            intra_op_threads=intra_op_threads,
+            pool_capacity=pool_capacity,
+            self_audit=self_audit,
+            self_audit_db=self_audit_db,
+        )
         self._state = "unopened"
-        self._last_task_round: int | None = None
-        self._answer: _Answer | None = None
-        self._dp_rounds = 0  # rounds whose clear part this process released with noise (fedsdk.noise)
         self._applying: set[asyncio.Task[None]] = set()
         self._sealer: ShareSealer | None = None
-        self._shapes: list[tuple[int, ...]] = []
         self._link = Link(
             self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
         )
+        self._tasks = Tasks(self._device, self._link, self._work)
 
     # -- the device's state, as an app (and the tests) read it --------------------------------
     @property
@@ -234,23 +184,8 @@ class FedClient:
         await self._link.connect()
         self._state = "open"
         await self._link.subscribe()
-        he = self._device.he
-        if he is not None and self._pool_capacity and hasattr(he, "start_pool"):
-            he.start_pool(self._pool_capacity)  # idle-time obfuscators (DESIGN.md, Crypto)
+        self._work.start_pool()
         return self
-
-    def _size_pool(self, n_values: int) -> None:
-        """With the default pool (``pool_capacity=None``): start or resize it for this model at the first task
-        that carries it, so that it fills during the sketch round, while the device trains and between rounds
-        (``fedsdk.crypto.pool.auto_capacity``)."""
-        he = self._device.he
-        if self._pool_capacity is not None or he is None or not hasattr(he, "start_pool"):
-            return
-        bits = int(he.keys.key_bits)  # type: ignore[attr-defined]  # the packed backend's keys
-        want = auto_capacity(he.num_packs(n_values), bits)
-        pool = getattr(he, "pool", None)
-        if pool is None or pool.capacity != want:
-            he.start_pool(want)
 
     async def __aexit__(self, *exc: object) -> None:
         if self._state == "open":
@@ -330,269 +265,26 @@ class FedClient:
         except TransportClosed:
             self._device.summary.state = "disconnected"
 
-    async def _send(self, kind: str, payload: bytes) -> tuple[float, int]:
-        return await self._link.send(kind, payload)
-
     async def _publish(self, kind: str, msg: BaseMessage) -> tuple[float, int]:
         return await self._link.publish(kind, msg)
-
-    async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
-        """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
-        payload = encode(msg)
-        self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
-        return await self._send(kind, payload)
-
-    async def _follow_cluster(self, cluster_id: int) -> None:
-        await self._link.follow_cluster(cluster_id)
 
     async def _on_task(self, task: Task) -> None:
         if self._applying:  # the task may build on the model an aggregate still being applied makes
             await asyncio.gather(*self._applying, return_exceptions=True)
-        phase = str(task.config.get("phase", "train"))
-        ans = self._answer
-        if ans is not None and ans.answers(task, phase):
-            if phase == "train":
-                await self._follow_cluster(task.cluster_id)
-            await self._send(ans.kind, ans.payload)
-            self._device.summary.resent += 1
-            log.info(
-                "round %d asked again: the same reply re-sent (%d bytes)", task.round_id, len(ans.payload)
-            )
-            return
-        try:
-            check_task(task, last_round=self._last_task_round)
-        except ValidationError as exc:
-            self._device.rejected.add(exc.code)
-            log.warning("rejected task: %s", exc.reason)
-            return
-        self._last_task_round = task.round_id
-        if phase == "train":
-            await self._follow_cluster(task.cluster_id)
-        loop = asyncio.get_running_loop()
-        try:
-            if task.weights:
-                base = [np.array(w, dtype=np.float32) for w in task.weights]
-                self._shapes = [tuple(w.shape) for w in base]
-                if phase == "train":
-                    self._device.model_round = task.round_id - 1  # the task's model is round r-1's result
-            elif self._device.weights is not None:
-                base = [w.copy() for w in self._device.weights]
-            else:
-                raise TrainingError("the task carries no model and this device holds none (joined late?)")
-            if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
-                self._size_pool(sum(int(b.size) for b in base))
-            if phase == "sketch":
-                msg: BaseMessage = await loop.run_in_executor(None, self._sketch, task, base)
-                await self._reply(task, phase, T.SKETCH, msg)
-                log.info("round %d: sensitivity sketch sent", task.round_id)
-                return
-            pending = Pending(task, base)
-            self._device.pending[task.round_id] = pending
-            msg, record = await loop.run_in_executor(None, self._train_and_protect, task, base)
-        except UpdateWithheld as exc:
-            self._device.summary.withheld += 1
-            log.warning("round %d: %s", task.round_id, exc)
-            self._device.summary.reason = f"round {task.round_id}: {exc}"
-            err = Error(
-                client_id=self.client_id, round_id=task.round_id, code=exc.code, reason=str(exc)[:500]
-            )
-            await self._reply(task, phase, T.ERROR, err)
-            return
-        except (FedError, ValueError) as exc:
-            log.error("round %d: %s", task.round_id, exc)
-            self._device.summary.reason = f"round {task.round_id}: {exc}"
-            err = Error(
-                client_id=self.client_id, round_id=task.round_id, code="device", reason=str(exc)[:500]
-            )
-            await self._reply(task, phase, T.ERROR, err)
-            return
+        await self._tasks.on_task(task, TaskSteps(self._sketch, self._train_and_protect, self._leak_count))
 
-        def trained(upload_s: float, nbytes: int) -> None:
-            self._device.summary.rounds.append(
-                RoundRecord(
-                    task.round_id, task.cluster_id, record["num_samples"], record["loss"], record["train_s"],
-                    upload_s, nbytes, {k: v for k, v in record.items() if k not in ("num_samples", "loss")},
-                )
-            )  # fmt: skip
-
-        try:
-            upload_s, nbytes = await self._reply(task, phase, T.UPDATE, msg)
-        except TransportError:  # kept: the coordinator asks again and gets the same bytes
-            trained(float("nan"), 0)
-            raise
-        pending.upload_s = upload_s
-        trained(upload_s, nbytes)
-        if pending.leak_input is not None:  # off the critical path: the device now waits for the aggregate
-            pending.leak = loop.run_in_executor(None, self._leak_count, task, *pending.leak_input)
-            pending.leak_input = None
-        progress.info(
-            "round %d cluster %d: update sent (%d bytes, %.0f%% encrypted, %.2f s training)",
-            task.round_id, task.cluster_id, nbytes, 100 * record.get("encrypted_ratio", 0.0),
-            record["train_s"],
-        )  # fmt: skip
-
-    # -- work in the executor -----------------------------------------------------------------
-    def _model_for(self, task: Task) -> OnnxModel:
-        model_id = task.model_id or self._device.model_id
-        model = self._device.models.get(model_id or "")
-        if model is None:
-            if not task.train_graph or not task.eval_graph or not task.param_names:
-                raise TrainingError(f"task for unknown model {task.model_id!r} carries no graphs")
-            model = OnnxModel(
-                task.train_graph,
-                task.eval_graph,
-                task.param_names,
-                self._shapes,
-                intra_op_num_threads=self._threads,
-            )
-            self._device.models[task.model_id] = model
-            self._device.model_id = task.model_id
-        return model
-
-    def _local_xy(self, task: Task) -> tuple[np.ndarray, np.ndarray]:
-        assert self._device.data is not None
-        x, y = self._device.data
-        return model_input(task, x), y
-
+    # -- a task's steps, in the executor ------------------------------------------------------
     def _fit(self, task: Task, base: list[np.ndarray]) -> TrainResult:
-        if self._device.trainer is not None:
-            return self._device.trainer.fit(base)
-        model = self._model_for(task)
-        x, y = self._local_xy(task)
-        trainer = OnnxTrainer(
-            model,
-            x,
-            y,
-            lr=float(task.config.get("lr", 0.05)),
-            momentum=float(task.config.get("momentum", 0.9)),
-            weight_decay=float(task.config.get("weight_decay", 0.0)),
-            batch_size=int(task.config.get("batch_size", 32)),
-            epochs=int(task.config.get("epochs", 1)),
-        )
-        return trainer.fit(base, seed=int(task.config.get("seed", task.round_id)))
+        return self._work.fit(task, base)
 
     def _sketch(self, task: Task, base: list[np.ndarray]) -> Sketch:
-        if self._device.data is None:
-            raise TrainingError("a sensitivity sketch needs the local data (x, y)")
-        t0 = time.perf_counter()
-        x, y = self._local_xy(task)
-        vec = pipeline.make_sketch(self._model_for(task), base, x, y, task.config)
-        eps = float(task.config.get("dp_epsilon", 0.0))
-        return Sketch(
-            client_id=self.client_id,
-            round_id=task.round_id,
-            sketch=(vec.astype(np.float32),),
-            seed=int(task.config.get("sketch_seed", 0)),
-            dp_epsilon=eps if eps > 0 else None,
-            metrics={"sketch_s": time.perf_counter() - t0},
-        )
+        return self._work.sketch(task, base)
 
     def _train_and_protect(self, task: Task, base: list[np.ndarray]) -> tuple[BaseMessage, dict[str, Any]]:
-        result = self._fit(task, base)
-        delta = [np.asarray(n, dtype=np.float32) - b for n, b in zip(result.weights, base, strict=True)]
-        record: dict[str, Any] = {
-            "num_samples": result.num_samples,
-            "loss": result.loss,
-            "train_s": result.seconds,
-        }
-        metrics = {"train_s": result.seconds, "loss": result.loss, "steps": float(result.steps)}
-        mode = str(task.config.get("mask", "none"))
-        if mode == "none":
-            audit = self._check_own_update(task, base, pipeline.flatten(delta), None)
-            metrics.update(audit)
-            record.update(audit)
-            update = Update(
-                client_id=self.client_id,
-                round_id=task.round_id,
-                cluster_id=task.cluster_id,
-                num_samples=result.num_samples,
-                delta=tuple(d.astype(np.float32) for d in delta),
-                metrics=metrics,
-            )
-            return update, record
-        if self._device.he is None:
-            raise ConfigError("this federation encrypts updates: give the device its HE key (--he DIR)")
-        flat = pipeline.flatten(delta)
-        choice = pipeline.choose_mask(
-            task.config,
-            weights=result.weights,
-            gradients=result.gradients,
-            update=flat,
-            pack_size=self._device.he.pack_size,
-            seed=int(task.config.get("seed", task.round_id)),
-            samples=self._local_xy(task)[0] if self._device.data is not None else None,
-        )
-        if choice.leak_deferred:
-            pending = self._device.pending.get(task.round_id)
-            if pending is not None:
-                pending.leak_input = ([tuple(w.shape) for w in base], flat)
-        z = float(task.config.get("mask_noise", 0.0))
-        hidden = np.repeat(choice.mask, self._device.he.pack_size)[: flat.size]
-        if z > 0:  # Gaussian noise on the clear part (fedsdk.noise)
-            clip = float(task.config.get("mask_clip", 1.0))
-            flat, factor = noise_clear(flat, hidden, clip=clip, noise_multiplier=z)
-            self._dp_rounds += 1
-            metrics.update(
-                noise_sigma=z * clip,
-                clip_factor=factor,
-                dp_epsilon_round=rdp_epsilon(z, 1),
-                dp_epsilon=rdp_epsilon(z, self._dp_rounds),
-            )
-        audit = self._check_own_update(task, base, flat, hidden)
-        metrics.update(audit)
-        record.update(audit)
-        weight = self._device.he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
-        contribution, enc = pipeline.protect(self._device.he, flat, weight, choice.mask)
-        metrics.update(choice.seconds)
-        metrics.update(choice.counts)
-        metrics.update(enc)
-        metrics.update(encrypted_ratio=choice.ratio, covered_sensitivity=choice.covered)
-        if choice.gave_way:
-            metrics["gave_way_" + choice.gave_way] = 1.0
-        record.update(
-            choice.seconds, encrypt_s=enc["encode_s"] + enc["encrypt_s"], encrypted_ratio=choice.ratio
-        )
-        msg = pipeline.message_from_contribution(
-            contribution,
-            client_id=self.client_id,
-            round_id=task.round_id,
-            cluster_id=task.cluster_id,
-            num_samples=result.num_samples,
-            metrics=metrics,
-        )
-        return msg, record
+        return self._work.train_and_protect(task, base, self._fit)
 
     def _leak_count(self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
-        """The leakage counts of an update sent whole under encryption (:func:`pipeline.leak_count`)."""
-        samples = self._local_xy(task)[0] if self._device.data is not None else None
-        assert self._device.he is not None
-        return pipeline.leak_count(task.config, shapes, flat, samples, self._device.he.pack_size)
-
-    def _check_own_update(
-        self, task: Task, base: list[np.ndarray], flat: np.ndarray, hidden: np.ndarray | None
-    ) -> dict[str, float]:
-        """The self-audit (module docstring) of the flat update about to be sent, ``hidden`` marking the
-        values that go encrypted (None: all go in the clear). Raises UpdateWithheld when a local sample is
-        recovered at the threshold; returns the metrics to send with the update (none when it is off or
-        does not apply)."""
-        if not self._self_audit:
-            return {}
-        x = self._local_xy(task)[0]
-        visible = np.ones(flat.size, dtype=bool) if hidden is None else ~hidden
-        shapes = [tuple(w.shape) for w in base]
-        result = self_audit(flat, visible, shapes, x.reshape(len(x), -1), threshold_db=self._self_audit_db)
-        if result.skipped:
-            if not self._self_audit_skip_logged:
-                self._self_audit_skip_logged = True
-                log.info("self-audit skipped: %s; updates are sent without it", result.skipped)
-            return {}
-        if not result.passed:
-            raise UpdateWithheld(result.reason())
-        log.debug(
-            "round %d: self-audit passed (max %.1f dB over %d samples, %.3f s)",
-            task.round_id, result.max_db, result.samples, result.seconds,
-        )  # fmt: skip
-        return {"self_audit_max_db": result.max_db, "self_audit_s": result.seconds}
+        return self._work.leak_count(task, shapes, flat)
 
     def _decrypt_packs(self, round_id: int, agg: HEAggregate, ranks: list[int]) -> list[Any]:
         """Raw decryptions of the ciphertexts of round ``round_id``'s ``agg`` at ``ranks`` (in the executor;
