@@ -2,7 +2,7 @@
 holds, the rounds it trained in and waits to apply, and what it counts (the summary it returns).
 
 The link (``link.py``), the task pipeline (``work.py``) and the aggregate path (``apply.py``) each read and
-update one :class:`DeviceState`; what only one of them needs stays in it.
+update one :class:`DeviceState`; what only one of them needs stays in that part.
 """
 
 from __future__ import annotations
