@@ -93,7 +93,8 @@ def _weight_unit(config: Mapping[str, Any]) -> int:
 
 class Work:
     """The device's model and a task's steps over it: train, sketch, mask and protect, self-audit, count
-    leakage. Everything but :meth:`base` and the pool's sizing runs in the executor."""
+    leakage. The steps run in the executor; :meth:`base` and the obfuscator pool's start and sizing run on
+    the event loop."""
 
     def __init__(
         self,
