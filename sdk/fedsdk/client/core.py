@@ -96,7 +96,7 @@ class FedClient:
         self._decryption = Decryption(self._device)
         self._aggregates = Aggregates(self._device, self._decryption)
 
-    # -- the device's state, as an app (and the tests) read it --------------------------------
+    # -- the device's state, as an app reads it (the private names: as tests and subclasses do) ---
     @property
     def summary(self) -> ClientSummary:
         return self._device.summary
