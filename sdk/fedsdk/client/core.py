@@ -1,0 +1,274 @@
+"""FedClient, the object a device app embeds. It composes the device's link (``link.py``), its task pipeline
+(``work.py``) and its aggregate path (``apply.py``) over the device's state (``state.py``), and hands each
+incoming message to the part it is for.
+
+The client says hello whenever it sees a new coordinator instance, answers every task addressed to it, and
+applies each aggregate once, for the round it belongs to. It stops when the coordinator reports
+``finished`` or ``failed``. Training, sensitivity, masking, encryption and decryption run in a worker
+thread so the event loop (and the MQTT link) stays responsive.
+
+Aggregates are applied in tasks of their own, so that the message loop keeps taking decryption shares
+meanwhile (``apply.py``); a new task waits for the aggregates still being applied, since it may build on the
+model one of them makes.
+
+The steps a round runs are methods of FedClient (``_publish``; ``_sketch``, ``_fit``,
+``_train_and_protect``, ``_leak_count``; ``_decrypt_packs``, ``_apply``; and ``_on_task``,
+``_on_aggregate`` around them), handed to the parts each time a message arrives: a subclass may wrap one
+(the fleet benchmark's ``EmulatedClient`` dilates the compute steps and stamps a timeline) and a test may
+replace one on an instance, while the parts keep no reference to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from fedsdk.client.apply import Aggregates, ApplySteps, Decryption
+from fedsdk.client.link import Link
+from fedsdk.client.state import ClientSummary, DeviceState, Pending
+from fedsdk.client.work import Tasks, TaskSteps, Work
+from fedsdk.crypto import HEBackend
+from fedsdk.crypto.base import Aggregate as HEAggregate
+from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportError
+from fedsdk.model import OnnxModel, Trainer, TrainResult
+from fedsdk.model.export import write_onnx
+from fedsdk.protocol import Aggregate, BaseMessage, EncryptedAggregate, ShareBundle, Sketch, Status, Task
+from fedsdk.protocol import topics as T
+from fedsdk.protocol.validate import RejectCounter
+from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB
+from fedsdk.transport import MqttTransport, TlsConfig
+
+__all__ = ["FedClient"]
+
+log = logging.getLogger(__name__)
+
+
+class FedClient:
+    """One device's membership in a federation. Owns its MQTT transport, through its link.
+
+    States: ``unopened`` -> ``open`` (inside ``async with``) -> ``closed``; any other use raises StateError.
+    """
+
+    def __init__(
+        self,
+        broker_url: str,
+        *,
+        client_id: str,
+        federation: str = "default",
+        data: tuple[np.ndarray, np.ndarray] | None = None,
+        trainer: Trainer | None = None,
+        eval_data: tuple[np.ndarray, np.ndarray] | None = None,
+        he: HEBackend | None = None,
+        pool_capacity: int | None = None,
+        tls: TlsConfig | None = None,
+        insecure: bool = False,
+        timeout: float = 10.0,
+        intra_op_threads: int = 1,
+        probe_bytes: int = 256 * 1024,
+        self_audit: bool = False,
+        self_audit_db: float = DEFAULT_THRESHOLD_DB,
+    ) -> None:
+        T.validate_config_id(client_id, "client id")
+        T.validate_config_id(federation, "federation")
+        if data is None and trainer is None:
+            raise ConfigError("FedClient needs local data (x, y) or a trainer")
+        self.client_id = client_id
+        self.federation = federation
+        self._device = DeviceState(
+            client_id, federation, data, eval_data, trainer, he, summary=ClientSummary(client_id)
+        )
+        self._work = Work(
+            self._device,
+            intra_op_threads=intra_op_threads,
+            pool_capacity=pool_capacity,
+            self_audit=self_audit,
+            self_audit_db=self_audit_db,
+        )
+        self._state = "unopened"
+        self._link = Link(
+            self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
+        )
+        self._tasks = Tasks(self._device, self._link, self._work)
+        self._decryption = Decryption(self._device)
+        self._aggregates = Aggregates(self._device, self._decryption)
+
+    # -- the device's state, as an app reads it (the private names: as tests and subclasses do) ---
+    @property
+    def summary(self) -> ClientSummary:
+        return self._device.summary
+
+    @property
+    def rejected(self) -> RejectCounter:
+        return self._device.rejected
+
+    @property
+    def weights(self) -> list[np.ndarray] | None:
+        """The model this device holds: the last aggregate it applied (None before the first)."""
+        return self._device.weights
+
+    @weights.setter
+    def weights(self, value: list[np.ndarray] | None) -> None:
+        self._device.weights = value
+
+    @property
+    def num_samples(self) -> int:
+        return self._device.num_samples
+
+    @property
+    def _he(self) -> HEBackend | None:
+        return self._device.he
+
+    @property
+    def _models(self) -> dict[str, OnnxModel]:
+        return self._device.models
+
+    @property
+    def _model_id(self) -> str | None:
+        return self._device.model_id
+
+    @property
+    def _transport(self) -> MqttTransport:
+        return self._link.transport
+
+    def export_onnx(self, path: str | os.PathLike[str] | None = None) -> bytes:
+        """The model this device holds (the last aggregate it applied), as an ONNX inference model that
+        maps ``x`` to ``logits`` in any ONNX runtime; written to ``path`` too when given. Under HE only the
+        devices hold the weights, so this is where a federation's model comes out."""
+        device = self._device
+        if device.weights is None or device.model_id is None or device.model_id not in device.models:
+            raise StateError("this device holds no model yet: no round's aggregate was applied")
+        blob = device.models[device.model_id].export_onnx(device.weights)
+        if path is not None:
+            write_onnx(path, blob)
+        return blob
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> FedClient:
+        if self._state != "unopened":
+            raise StateError(f"FedClient is {self._state}; it can be opened once")
+        await self._link.connect()
+        self._state = "open"
+        await self._link.subscribe()
+        self._work.start_pool()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._state == "open":
+            await self._link.goodbye()
+        self._state = "closed"
+        if self._device.he is not None:
+            self._device.he.close()
+        await self._link.close()
+
+    # -- the loop -----------------------------------------------------------------------------
+    async def run(
+        self, *, timeout: float | None = None, idle_timeout: float | None = 300.0, final_wait: float = 30.0
+    ) -> ClientSummary:
+        """Take part in rounds until the coordinator finishes, and return the summary.
+
+        The run also ends, whatever the coordinator does:
+
+        * after ``timeout`` seconds (state ``timeout``; no bound by default);
+        * when nothing is heard from the coordinator for ``idle_timeout`` seconds (state
+          ``coordinator_lost``): a running coordinator re-publishes its status every 30 s, so silence means
+          it, or the way to it, is gone (None: wait forever);
+        * ``final_wait`` seconds after the federation's last round was applied when the coordinator's
+          ``finished`` has not arrived (state ``finished``): it may have stopped, and its broker with it,
+          before the status reached this device.
+        """
+        if self._state != "open":
+            raise StateError("FedClient.run() needs an open client: use 'async with FedClient(...)'")
+        summary = self._device.summary
+        rehello = asyncio.create_task(
+            self._link.hello_after_reconnects(self._publish), name=f"fedclient-rehello-{self.client_id}"
+        )
+        watch = asyncio.create_task(
+            self._link.watch(idle_timeout, final_wait), name=f"fedclient-watch-{self.client_id}"
+        )
+        loop_task = asyncio.create_task(self._loop(), name=f"fedclient-loop-{self.client_id}")
+        try:
+            done, _ = await asyncio.wait(
+                {loop_task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if loop_task in done:
+                loop_task.result()
+            elif watch in done:
+                summary.state, summary.reason = watch.result()
+                log.warning("%s", summary.reason)
+            else:
+                summary.state, summary.reason = "timeout", f"no end within {timeout} s"
+        finally:
+            applying = self._aggregates.applying
+            for t in (loop_task, rehello, watch, *applying):
+                t.cancel()
+            await asyncio.gather(loop_task, rehello, watch, *applying, return_exceptions=True)
+        summary.rejected = self._device.rejected.as_dict()
+        return summary
+
+    async def _loop(self) -> None:
+        """Hand each incoming message to the part of the client it is for."""
+        link = self._link
+        try:
+            async for topic, decoded in link.messages():
+                try:
+                    if isinstance(decoded, Status):
+                        if await link.on_status(decoded, self._publish):
+                            return
+                    elif isinstance(decoded, Task) and topic == link.down_topic:
+                        await self._on_task(decoded)
+                    elif isinstance(decoded, Aggregate | EncryptedAggregate):
+                        self._start_apply(decoded)
+                    elif isinstance(decoded, ShareBundle) and topic == link.cluster_topic:
+                        self._decryption.on_bundle(decoded)
+                    else:
+                        self._device.rejected.add("bad_kind")
+                        log.warning("unexpected %s on %s", type(decoded).__name__, topic)
+                except TransportClosed:
+                    raise
+                except TransportError as exc:  # the link stayed down: the coordinator asks again later
+                    self._device.summary.send_failures += 1
+                    log.warning("could not answer a %s: %s", type(decoded).__name__, exc)
+        except TransportClosed:
+            self._device.summary.state = "disconnected"
+
+    async def _publish(self, kind: str, msg: BaseMessage) -> tuple[float, int]:
+        return await self._link.publish(kind, msg)
+
+    async def _on_task(self, task: Task) -> None:
+        await self._aggregates.settle()  # the task may build on the model an aggregate being applied makes
+        await self._tasks.on_task(task, TaskSteps(self._sketch, self._train_and_protect, self._leak_count))
+
+    # -- a task's steps, in the executor ------------------------------------------------------
+    def _fit(self, task: Task, base: list[np.ndarray]) -> TrainResult:
+        return self._work.fit(task, base)
+
+    def _sketch(self, task: Task, base: list[np.ndarray]) -> Sketch:
+        return self._work.sketch(task, base)
+
+    def _train_and_protect(self, task: Task, base: list[np.ndarray]) -> tuple[BaseMessage, dict[str, Any]]:
+        return self._work.train_and_protect(task, base, self._fit)
+
+    def _leak_count(self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
+        return self._work.leak_count(task, shapes, flat)
+
+    # -- an aggregate's steps ------------------------------------------------------------------
+    def _start_apply(self, agg: Aggregate | EncryptedAggregate) -> None:
+        self._aggregates.start(agg, self._on_aggregate)
+
+    async def _on_aggregate(self, agg: Aggregate | EncryptedAggregate) -> None:
+        await self._aggregates.on_aggregate(agg, ApplySteps(self._decrypt_packs, self._apply, self._publish))
+
+    def _decrypt_packs(self, round_id: int, agg: HEAggregate, ranks: list[int]) -> list[Any]:
+        """Raw decryptions of the ciphertexts of round ``round_id``'s ``agg`` at ``ranks`` (in the executor;
+        timed by the caller)."""
+        return self._decryption.decrypt_packs(agg, ranks)
+
+    def _apply(
+        self, agg: Aggregate | EncryptedAggregate, pending: Pending, sums: list[Any] | None = None
+    ) -> dict[str, float]:
+        """Make the round's model from ``agg`` and evaluate it (in the executor)."""
+        return self._aggregates.apply(agg, pending, sums)

@@ -1,0 +1,107 @@
+"""What the parts of a FedClient share, as plain data: who the device is, its data and keys, the model it
+holds, the rounds it trained in and waits to apply, and what it counts (the summary it returns).
+
+The link (``link.py``), the task pipeline (``work.py``) and the aggregate path (``apply.py``) each read and
+update one :class:`DeviceState`; what only one of them needs stays in that part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedsdk.coop import ShareBook
+from fedsdk.crypto import HEBackend
+from fedsdk.errors import TrainingError
+from fedsdk.model import OnnxModel, Trainer
+from fedsdk.protocol import Task
+from fedsdk.protocol.validate import RejectCounter
+
+__all__ = ["ClientSummary", "DeviceState", "Pending", "RoundRecord", "dims", "model_input"]
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round_id: int
+    cluster_id: int
+    num_samples: int
+    loss: float
+    train_s: float
+    upload_s: float
+    update_bytes: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClientSummary:
+    client_id: str
+    state: str = "running"
+    cluster_id: int | None = None
+    rounds: list[RoundRecord] = field(default_factory=list)
+    applied_rounds: list[int] = field(default_factory=list)
+    accuracy: dict[int, float] = field(default_factory=dict)  # per round: the held-out ``metric``
+    metric: str = "accuracy"  # what ``accuracy`` holds: accuracy, mae (regression) or label_accuracy
+    rejected: dict[str, int] = field(default_factory=dict)
+    resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
+    send_failures: int = 0  # uploads that failed for good (the coordinator asks again when it misses them)
+    withheld: int = 0  # updates not sent because the self-audit recovered local samples from them
+    reason: str = ""  # why the run ended as it did, or the last failure (a task or an aggregate refused)
+
+
+@dataclass
+class Pending:
+    """A round this device trained in, until its aggregate is applied."""
+
+    task: Task
+    base: list[np.ndarray]  # the model the device trained from
+    upload_s: float = 0.0
+    book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
+    applying: bool = False  # its aggregate is being applied
+    # the shapes and the update whose leakage count runs after sending (every pack encrypted)
+    leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = None
+    leak: asyncio.Future[dict[str, float]] | None = None  # the count, for the round's report
+
+
+@dataclass
+class DeviceState:
+    """One device's identity, data, keys and model, shared by the parts of its FedClient."""
+
+    client_id: str
+    federation: str
+    data: tuple[np.ndarray, np.ndarray] | None  # local samples (x, y), shaped for the model once it is known
+    eval: tuple[np.ndarray, np.ndarray] | None  # held-out samples, shaped likewise
+    trainer: Trainer | None  # an app's own trainer, used instead of ``data``
+    he: HEBackend | None
+    summary: ClientSummary
+    rejected: RejectCounter = field(default_factory=RejectCounter)
+    models: dict[str, OnnxModel] = field(default_factory=dict)  # by model id, built from the tasks' graphs
+    model_id: str | None = None
+    weights: list[np.ndarray] | None = None  # the model this device holds: the last aggregate it applied
+    model_round: int = -1  # the round of the model this device holds (-1: none yet)
+    pending: dict[int, Pending] = field(default_factory=dict)  # by round: trained in, not applied yet
+    last_round_at: float | None = None  # when the federation's last round was applied (monotonic)
+
+    @property
+    def num_samples(self) -> int:
+        if self.trainer is not None:
+            return int(self.trainer.num_samples)
+        assert self.data is not None
+        return len(self.data[1])
+
+
+def dims(text: object) -> tuple[int, ...]:
+    """``"1,28,28"`` -> ``(1, 28, 28)`` (a shape as a status message or a task's config carries it)."""
+    return tuple(int(d) for d in str(text).split(",") if d.strip())
+
+
+def model_input(task: Task, x: np.ndarray) -> np.ndarray:
+    """Samples ``x`` reshaped to the model input the task's config names (``input_shape``; as they are
+    when it names none)."""
+    shape = dims(task.config.get("input_shape", ""))
+    if shape:
+        if int(np.prod(shape)) != int(np.prod(x.shape[1:])):
+            raise TrainingError(f"local samples of shape {x.shape[1:]} do not fit the model input {shape}")
+        x = x.reshape((-1, *shape))
+    return x

@@ -1,0 +1,416 @@
+"""A task, on the device: train → sensitivity/leakage → mask → self-audit → protect → upload, or the sketch.
+
+A task's ``phase`` is ``sketch`` (first round of a clustered federation: send a sensitivity sketch) or
+``train``; its ``mask`` mode says whether the update goes in plaintext (``none``) or under HE (see
+:mod:`fedsdk.pipeline`). :class:`Work` holds the steps, which run in a worker thread so that the event loop
+(and the MQTT link) stays responsive; :class:`Tasks` takes each task on the event loop, runs the steps
+FedClient hands it, and sends the reply.
+
+Self-audit (``self_audit=True``, ``fedsdk join --self-audit``; :mod:`fedsdk.selfaudit`): after the mask
+and the noise, before encrypting or sending, the device runs the analytic first-layer attack on exactly
+what the coordinator would see of its update (everything under the ``plaintext`` strategy). When a local
+sample is recovered at ``self_audit_db`` (25 dB) or more, the update is withheld: the task is answered with
+an ``Error`` of code ``self_audit`` and the withheld update is counted (``ClientSummary.withheld``). A sent
+update carries the check's ``self_audit_max_db`` and ``self_audit_s`` in its metrics. Models whose first
+layer is not a Linear layer reading the samples (the ``cnn`` preset) are not audited; this is logged once.
+
+Replay protection (``docs/operations.md``, "Crash and restart") is per round number, across epochs: a task
+for a round older than the last one this device accepted is refused (``stale_round``). A task for *the
+same* round and cluster as the last one is answered with the reply already sent for it, byte for byte,
+without training again: a restarted coordinator, or one whose link dropped, asks again for the replies it
+does not hold. Re-sending the same bytes reveals nothing new, whoever replays the task; training again on a
+replayed task would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fedsdk import pipeline
+from fedsdk.client.link import Link
+from fedsdk.client.state import DeviceState, Pending, RoundRecord, model_input
+from fedsdk.crypto.pool import auto_capacity
+from fedsdk.errors import (
+    ConfigError,
+    FedError,
+    TrainingError,
+    TransportError,
+    UpdateWithheld,
+    ValidationError,
+)
+from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
+from fedsdk.noise import noise_clear, rdp_epsilon
+from fedsdk.protocol import BaseMessage, Error, Sketch, Task, Update, encode
+from fedsdk.protocol import topics as T
+from fedsdk.protocol.validate import check_task
+from fedsdk.selfaudit import check_threshold, self_audit
+
+__all__ = ["TaskSteps", "Tasks", "Work"]
+
+log = logging.getLogger(__name__)
+progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
+
+Base = list[np.ndarray]
+
+
+class TaskSteps(NamedTuple):
+    """The steps of a task that run in the executor, as FedClient hands them to :meth:`Tasks.on_task`."""
+
+    sketch: Callable[[Task, Base], Sketch]
+    train: Callable[[Task, Base], tuple[BaseMessage, dict[str, Any]]]  # train and protect: (reply, record)
+    leak_count: Callable[[Task, list[tuple[int, ...]], np.ndarray], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """The reply to this device's last task, kept to answer the same task again with the same bytes."""
+
+    round_id: int
+    cluster_id: int
+    phase: str
+    kind: str
+    payload: bytes
+
+    def answers(self, task: Task, phase: str) -> bool:
+        """Is ``task`` the task this reply answered (same round, cluster and phase; any epoch)?"""
+        return (self.round_id, self.cluster_id, self.phase) == (task.round_id, task.cluster_id, phase)
+
+
+def _weight_unit(config: Mapping[str, Any]) -> int:
+    """Samples per unit of FedAvg weight in this round (``FixedPoint.weight_unit``; 1 when not given)."""
+    unit = config.get("weight_unit", 1)
+    if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
+        raise ValidationError("bad_field", f"weight_unit must be a positive integer, got {unit!r}")
+    return unit
+
+
+class Work:
+    """The device's model and a task's steps over it: train, sketch, mask and protect, self-audit, count
+    leakage. The steps run in the executor; :meth:`base` and the obfuscator pool's start and sizing run on
+    the event loop."""
+
+    def __init__(
+        self,
+        device: DeviceState,
+        *,
+        intra_op_threads: int,
+        pool_capacity: int | None,
+        self_audit: bool,
+        self_audit_db: float,
+    ) -> None:
+        self._self_audit_db = check_threshold(self_audit_db)
+        if self_audit and device.data is None:
+            raise ConfigError("the self-audit needs the local samples: give data=(x, y)")
+        self._self_audit = bool(self_audit)
+        self._self_audit_skip_logged = False
+        self.device = device
+        self._threads = intra_op_threads
+        self._pool_capacity = pool_capacity
+        self._shapes: list[tuple[int, ...]] = []  # the parameters' shapes, from the last task with a model
+        self._dp_rounds = 0  # rounds whose clear part this process released with noise (fedsdk.noise)
+
+    # -- the obfuscator pool ------------------------------------------------------------------
+    def start_pool(self) -> None:
+        """With a given ``pool_capacity``: start the idle-time obfuscators (DESIGN.md, Crypto) now."""
+        he = self.device.he
+        if he is not None and self._pool_capacity and hasattr(he, "start_pool"):
+            he.start_pool(self._pool_capacity)
+
+    def size_pool(self, n_values: int) -> None:
+        """With the default pool (``pool_capacity=None``): start or resize it for this model at the first task
+        that carries it, so that it fills during the sketch round, while the device trains and between rounds
+        (``fedsdk.crypto.pool.auto_capacity``)."""
+        he = self.device.he
+        if self._pool_capacity is not None or he is None or not hasattr(he, "start_pool"):
+            return
+        bits = int(he.keys.key_bits)  # type: ignore[attr-defined]  # the packed backend's keys
+        want = auto_capacity(he.num_packs(n_values), bits)
+        pool = getattr(he, "pool", None)
+        if pool is None or pool.capacity != want:
+            he.start_pool(want)
+
+    # -- the model ----------------------------------------------------------------------------
+    def base(self, task: Task, phase: str) -> Base:
+        """The model ``task`` trains from: the one it carries, else the one this device holds."""
+        device = self.device
+        if task.weights:
+            base = [np.array(w, dtype=np.float32) for w in task.weights]
+            self._shapes = [tuple(w.shape) for w in base]
+            if phase == "train":
+                device.model_round = task.round_id - 1  # the task's model is round r-1's result
+            return base
+        if device.weights is not None:
+            return [w.copy() for w in device.weights]
+        raise TrainingError("the task carries no model and this device holds none (joined late?)")
+
+    def model_for(self, task: Task) -> OnnxModel:
+        device = self.device
+        model_id = task.model_id or device.model_id
+        model = device.models.get(model_id or "")
+        if model is None:
+            if not task.train_graph or not task.eval_graph or not task.param_names:
+                raise TrainingError(f"task for unknown model {task.model_id!r} carries no graphs")
+            model = OnnxModel(
+                task.train_graph,
+                task.eval_graph,
+                task.param_names,
+                self._shapes,
+                intra_op_num_threads=self._threads,
+            )
+            device.models[task.model_id] = model
+            device.model_id = task.model_id
+        return model
+
+    def local_xy(self, task: Task) -> tuple[np.ndarray, np.ndarray]:
+        assert self.device.data is not None
+        x, y = self.device.data
+        return model_input(task, x), y
+
+    # -- the steps, in the executor -----------------------------------------------------------
+    def fit(self, task: Task, base: Base) -> TrainResult:
+        if self.device.trainer is not None:
+            return self.device.trainer.fit(base)
+        model = self.model_for(task)
+        x, y = self.local_xy(task)
+        trainer = OnnxTrainer(
+            model,
+            x,
+            y,
+            lr=float(task.config.get("lr", 0.05)),
+            momentum=float(task.config.get("momentum", 0.9)),
+            weight_decay=float(task.config.get("weight_decay", 0.0)),
+            batch_size=int(task.config.get("batch_size", 32)),
+            epochs=int(task.config.get("epochs", 1)),
+        )
+        return trainer.fit(base, seed=int(task.config.get("seed", task.round_id)))
+
+    def sketch(self, task: Task, base: Base) -> Sketch:
+        if self.device.data is None:
+            raise TrainingError("a sensitivity sketch needs the local data (x, y)")
+        t0 = time.perf_counter()
+        x, y = self.local_xy(task)
+        vec = pipeline.make_sketch(self.model_for(task), base, x, y, task.config)
+        eps = float(task.config.get("dp_epsilon", 0.0))
+        return Sketch(
+            client_id=self.device.client_id,
+            round_id=task.round_id,
+            sketch=(vec.astype(np.float32),),
+            seed=int(task.config.get("sketch_seed", 0)),
+            dp_epsilon=eps if eps > 0 else None,
+            metrics={"sketch_s": time.perf_counter() - t0},
+        )
+
+    def train_and_protect(
+        self, task: Task, base: Base, fit: Callable[[Task, Base], TrainResult]
+    ) -> tuple[BaseMessage, dict[str, Any]]:
+        """Train with ``fit`` from ``base``; return the reply (the update, masked and encrypted as the task
+        says) and the round's record for the summary."""
+        device = self.device
+        result = fit(task, base)
+        delta = [np.asarray(n, dtype=np.float32) - b for n, b in zip(result.weights, base, strict=True)]
+        record: dict[str, Any] = {
+            "num_samples": result.num_samples,
+            "loss": result.loss,
+            "train_s": result.seconds,
+        }
+        metrics = {"train_s": result.seconds, "loss": result.loss, "steps": float(result.steps)}
+        mode = str(task.config.get("mask", "none"))
+        if mode == "none":
+            audit = self.check_own_update(task, base, pipeline.flatten(delta), None)
+            metrics.update(audit)
+            record.update(audit)
+            update = Update(
+                client_id=device.client_id,
+                round_id=task.round_id,
+                cluster_id=task.cluster_id,
+                num_samples=result.num_samples,
+                delta=tuple(d.astype(np.float32) for d in delta),
+                metrics=metrics,
+            )
+            return update, record
+        he = device.he
+        if he is None:
+            raise ConfigError("this federation encrypts updates: give the device its HE key (--he DIR)")
+        flat = pipeline.flatten(delta)
+        choice = pipeline.choose_mask(
+            task.config,
+            weights=result.weights,
+            gradients=result.gradients,
+            update=flat,
+            pack_size=he.pack_size,
+            seed=int(task.config.get("seed", task.round_id)),
+            samples=self.local_xy(task)[0] if device.data is not None else None,
+        )
+        if choice.leak_deferred:
+            pending = device.pending.get(task.round_id)
+            if pending is not None:
+                pending.leak_input = ([tuple(w.shape) for w in base], flat)
+        z = float(task.config.get("mask_noise", 0.0))
+        hidden = np.repeat(choice.mask, he.pack_size)[: flat.size]
+        if z > 0:  # Gaussian noise on the clear part (fedsdk.noise)
+            clip = float(task.config.get("mask_clip", 1.0))
+            flat, factor = noise_clear(flat, hidden, clip=clip, noise_multiplier=z)
+            self._dp_rounds += 1
+            metrics.update(
+                noise_sigma=z * clip,
+                clip_factor=factor,
+                dp_epsilon_round=rdp_epsilon(z, 1),
+                dp_epsilon=rdp_epsilon(z, self._dp_rounds),
+            )
+        audit = self.check_own_update(task, base, flat, hidden)
+        metrics.update(audit)
+        record.update(audit)
+        weight = he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
+        contribution, enc = pipeline.protect(he, flat, weight, choice.mask)
+        metrics.update(choice.seconds)
+        metrics.update(choice.counts)
+        metrics.update(enc)
+        metrics.update(encrypted_ratio=choice.ratio, covered_sensitivity=choice.covered)
+        if choice.gave_way:
+            metrics["gave_way_" + choice.gave_way] = 1.0
+        record.update(
+            choice.seconds, encrypt_s=enc["encode_s"] + enc["encrypt_s"], encrypted_ratio=choice.ratio
+        )
+        msg = pipeline.message_from_contribution(
+            contribution,
+            client_id=device.client_id,
+            round_id=task.round_id,
+            cluster_id=task.cluster_id,
+            num_samples=result.num_samples,
+            metrics=metrics,
+        )
+        return msg, record
+
+    def leak_count(self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
+        """The leakage counts of an update sent whole under encryption (:func:`pipeline.leak_count`)."""
+        samples = self.local_xy(task)[0] if self.device.data is not None else None
+        assert self.device.he is not None
+        return pipeline.leak_count(task.config, shapes, flat, samples, self.device.he.pack_size)
+
+    def check_own_update(
+        self, task: Task, base: Base, flat: np.ndarray, hidden: np.ndarray | None
+    ) -> dict[str, float]:
+        """The self-audit (module docstring) of the flat update about to be sent, ``hidden`` marking the
+        values that go encrypted (None: all go in the clear). Raises UpdateWithheld when a local sample is
+        recovered at the threshold; returns the metrics to send with the update (none when it is off or
+        does not apply)."""
+        if not self._self_audit:
+            return {}
+        x = self.local_xy(task)[0]
+        visible = np.ones(flat.size, dtype=bool) if hidden is None else ~hidden
+        shapes = [tuple(w.shape) for w in base]
+        result = self_audit(flat, visible, shapes, x.reshape(len(x), -1), threshold_db=self._self_audit_db)
+        if result.skipped:
+            if not self._self_audit_skip_logged:
+                self._self_audit_skip_logged = True
+                log.info("self-audit skipped: %s; updates are sent without it", result.skipped)
+            return {}
+        if not result.passed:
+            raise UpdateWithheld(result.reason())
+        log.debug(
+            "round %d: self-audit passed (max %.1f dB over %d samples, %.3f s)",
+            task.round_id, result.max_db, result.samples, result.seconds,
+        )  # fmt: skip
+        return {"self_audit_max_db": result.max_db, "self_audit_s": result.seconds}
+
+
+class Tasks:
+    """Takes the tasks addressed to this device, on the event loop: refuses stale ones, answers a repeated
+    one with the same bytes, runs the others' steps in the executor and sends the reply."""
+
+    def __init__(self, device: DeviceState, link: Link, work: Work) -> None:
+        self.device = device
+        self._link = link
+        self._work = work
+        self._last_task_round: int | None = None
+        self._answer: _Answer | None = None
+
+    async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
+        """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
+        payload = encode(msg)
+        self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
+        return await self._link.send(kind, payload)
+
+    async def on_task(self, task: Task, steps: TaskSteps) -> None:
+        device, link, summary = self.device, self._link, self.device.summary
+        phase = str(task.config.get("phase", "train"))
+        ans = self._answer
+        if ans is not None and ans.answers(task, phase):
+            if phase == "train":
+                await link.follow_cluster(task.cluster_id)
+            await link.send(ans.kind, ans.payload)
+            summary.resent += 1
+            log.info(
+                "round %d asked again: the same reply re-sent (%d bytes)", task.round_id, len(ans.payload)
+            )
+            return
+        try:
+            check_task(task, last_round=self._last_task_round)
+        except ValidationError as exc:
+            device.rejected.add(exc.code)
+            log.warning("rejected task: %s", exc.reason)
+            return
+        self._last_task_round = task.round_id
+        if phase == "train":
+            await link.follow_cluster(task.cluster_id)
+        loop = asyncio.get_running_loop()
+        try:
+            base = self._work.base(task, phase)
+            if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
+                self._work.size_pool(sum(int(b.size) for b in base))
+            if phase == "sketch":
+                msg: BaseMessage = await loop.run_in_executor(None, steps.sketch, task, base)
+                await self._reply(task, phase, T.SKETCH, msg)
+                log.info("round %d: sensitivity sketch sent", task.round_id)
+                return
+            pending = Pending(task, base)
+            device.pending[task.round_id] = pending
+            msg, record = await loop.run_in_executor(None, steps.train, task, base)
+        except UpdateWithheld as exc:
+            summary.withheld += 1
+            log.warning("round %d: %s", task.round_id, exc)
+            summary.reason = f"round {task.round_id}: {exc}"
+            err = Error(
+                client_id=device.client_id, round_id=task.round_id, code=exc.code, reason=str(exc)[:500]
+            )
+            await self._reply(task, phase, T.ERROR, err)
+            return
+        except (FedError, ValueError) as exc:
+            log.error("round %d: %s", task.round_id, exc)
+            summary.reason = f"round {task.round_id}: {exc}"
+            err = Error(
+                client_id=device.client_id, round_id=task.round_id, code="device", reason=str(exc)[:500]
+            )
+            await self._reply(task, phase, T.ERROR, err)
+            return
+
+        def trained(upload_s: float, nbytes: int) -> None:
+            summary.rounds.append(
+                RoundRecord(
+                    task.round_id, task.cluster_id, record["num_samples"], record["loss"], record["train_s"],
+                    upload_s, nbytes, {k: v for k, v in record.items() if k not in ("num_samples", "loss")},
+                )
+            )  # fmt: skip
+
+        try:
+            upload_s, nbytes = await self._reply(task, phase, T.UPDATE, msg)
+        except TransportError:  # kept: the coordinator asks again and gets the same bytes
+            trained(float("nan"), 0)
+            raise
+        pending.upload_s = upload_s
+        trained(upload_s, nbytes)
+        if pending.leak_input is not None:  # off the critical path: the device now waits for the aggregate
+            pending.leak = loop.run_in_executor(None, steps.leak_count, task, *pending.leak_input)
+            pending.leak_input = None
+        progress.info(
+            "round %d cluster %d: update sent (%d bytes, %.0f%% encrypted, %.2f s training)",
+            task.round_id, task.cluster_id, nbytes, 100 * record.get("encrypted_ratio", 0.0),
+            record["train_s"],
+        )  # fmt: skip
