@@ -1,0 +1,54 @@
+"""Planning a round over plain data (coordinator/fedsdk_coordinator/engine/planning.py): no engine, no
+broker, no store: the groups by cluster, each strategy's budgets and shares, the weight unit."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedsdk.crypto import HEBackend
+from fedsdk_coordinator.engine.config import RoundConfig
+from fedsdk_coordinator.engine.measure import Measured
+from fedsdk_coordinator.engine.planning import group_by_cluster, plan_rounds, weight_unit
+from fedsdk_coordinator.strategies import strategy
+
+SHAPES = [(4, 3), (4,)]
+
+
+def test_devices_without_a_cluster_get_a_sketch_task_instead_when_the_federation_clusters() -> None:
+    online, clusters = ["d2", "d0", "d1", "d3"], {"d0": 1, "d1": 0, "d2": 1}
+    assert group_by_cluster(online, clusters, clustered=True) == ({0: ["d1"], 1: ["d0", "d2"]}, ["d3"])
+    assert group_by_cluster(online, clusters, clustered=False) == ({0: ["d1", "d3"], 1: ["d0", "d2"]}, [])
+
+
+@pytest.mark.parametrize(
+    "name, backend, config, want",
+    [
+        ("plaintext", None, {}, 0.0),
+        ("plain-he", "paillier", {}, 1.0),
+        ("maskcrypt", "paillier", {"uniform_budget": 0.25}, 0.25),
+        ("fedsdk", "packed", {"budget_cap": 0.4}, 0.4),  # fast devices: capped, else the whole update
+    ],
+)
+def test_each_cluster_gets_its_strategys_budgets(
+    public: dict[str, HEBackend], name: str, backend: str | None, config: dict, want: float
+) -> None:
+    he = public[backend] if backend else None
+    s = strategy(name)(RoundConfig(strategy=name, **config), he, SHAPES)
+    fast = Measured(he_values_per_s=1e7, uplink_bytes_per_s=1e8, train_s=0.01)
+    measured = dict.fromkeys(["a", "b", "c"], fast)
+    rounds = plan_rounds(3, {0: ["a", "b"], 2: ["c"]}, s, measured, {"a": 10, "b": 20, "c": 5})
+    assert [(r.round_id, r.cluster_id, r.participants) for r in rounds] == [(3, 0, {"a", "b"}), (3, 2, {"c"})]
+    assert all(b == pytest.approx(want) for r in rounds for b in r.budgets.values())
+    assert all(set(r.budgets) == r.participants for r in rounds)
+    # only fedsdk splits the decryption, and never for a device alone in its cluster
+    assert [bool(r.shares) for r in rounds] == ([True, False] if name == "fedsdk" else [False, False])
+
+
+def test_the_weight_unit_is_one_in_plaintext_and_grows_when_the_samples_overflow_the_slots(
+    public: dict[str, HEBackend],
+) -> None:
+    assert weight_unit(None, [10**9, 10**9]) == 1
+    he = public["packed"]
+    bound = he.fixed.max_total
+    assert weight_unit(he, [1, 2]) == 1
+    assert weight_unit(he, [bound, bound]) >= 2
