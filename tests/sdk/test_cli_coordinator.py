@@ -228,3 +228,16 @@ def test_a_device_of_the_first_start_connects_after_a_crash_restart(tmp_path: Pa
             proc.send_signal(signal.SIGKILL)  # a crash: nothing is cleaned up
             proc.wait(10)
         assert "development PKI" in log.read_text()
+
+
+def test_the_demo_runs_the_protected_strategy_unless_asked_for_plaintext() -> None:
+    import argparse
+
+    from fedsdk_coordinator.cli import demo
+    from fedsdk_coordinator.strategies import strategy
+
+    parser = argparse.ArgumentParser()
+    demo.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["demo"])
+    assert args.strategy == "fedsdk" and strategy(args.strategy).backend == "packed" and args.key_bits >= 2048
+    assert parser.parse_args(["demo", "--strategy", "plaintext"]).strategy == "plaintext"

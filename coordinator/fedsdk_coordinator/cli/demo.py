@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--self-audit", action="store_true", help="devices withhold updates their own attack recovers"
     )
-    add_strategy_options(p)
+    add_strategy_options(p, default="fedsdk")  # the product: every update protected; plaintext on request
     p.set_defaults(func=run)
 
 
