@@ -241,3 +241,21 @@ def test_the_demo_runs_the_protected_strategy_unless_asked_for_plaintext() -> No
     args = parser.parse_args(["demo"])
     assert args.strategy == "fedsdk" and strategy(args.strategy).backend == "packed" and args.key_bits >= 2048
     assert parser.parse_args(["demo", "--strategy", "plaintext"]).strategy == "plaintext"
+
+
+def test_the_demos_device_table_prints_no_nan_for_a_step_that_did_not_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from fedsdk_coordinator.cli.demo import TIMINGS, _print_tables
+
+    ran = {t: 0.01 for t in TIMINGS if "sensitivity" not in t and "mask" not in t}
+    summary = {
+        "cluster_accuracy": {"0": 0.9},
+        "clusters": {"d0": 0},
+        "devices": {"d0": {"cluster": 0, "mean": {**ran, "budget": 0.0, "encrypted_ratio": 0.0}}},
+    }
+    _print_tables(summary)
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and "step times in seconds" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("d0"))
+    assert row.split().count("-") == len(TIMINGS) - len(ran) == 2

@@ -376,7 +376,7 @@ def _print_tables(summary: dict[str, Any]) -> None:
         for k, acc in summary["cluster_accuracy"].items():
             members = [c for c, kk in summary["clusters"].items() if kk == int(k)]
             print(f"  cluster {k}: {acc:.4f}  ({', '.join(members)})")
-    print("\nper device (mean over rounds; seconds):")
+    print("\nper device (mean over rounds; step times in seconds, '-' where a step did not run):")
     head = f"  {'device':8s} {'cluster':>7s} {'budget':>7s} {'enc%':>6s} " + " ".join(
         f"{t[:-2]:>11s}" for t in TIMINGS
     )
@@ -384,7 +384,7 @@ def _print_tables(summary: dict[str, Any]) -> None:
     for cid, d in summary["devices"].items():
         m = d["mean"]
         budget = m.get("budget")
-        cells = " ".join(f"{m.get(t, float('nan')):11.4f}" for t in TIMINGS)
+        cells = " ".join(f"{m[t]:11.4f}" if np.isfinite(m.get(t, np.nan)) else f"{'-':>11s}" for t in TIMINGS)
         print(
             f"  {cid:8s} {d['cluster']:7d} {'-' if budget is None else f'{budget:.3f}':>7s} "
             f"{100 * m.get('encrypted_ratio', 0.0):6.1f} {cells}"
