@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError, StateError, TrainingError, TransportClosed
@@ -40,7 +41,8 @@ from fedsdk.model.export import write_onnx
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
-from fedsdk_coordinator.evaluation import METRICS, by_cluster, describe_evaluation
+from fedsdk_coordinator.evaluation import by_cluster, describe_evaluation
+from fedsdk_coordinator.metrics import FederationCollector, exposition
 from fedsdk_coordinator.models.source import ModelSource, load_model
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
@@ -53,6 +55,7 @@ STORE = web.AppKey("store", Store)
 ENGINE = web.AppKey("engine", RoundEngine)
 BROKER_URL = web.AppKey("broker_url", str)
 TRANSPORT = web.AppKey("transport", MqttTransport)
+REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,8 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     transport_box.append(transport)
     app[ENGINE] = engine
     app[TRANSPORT] = transport
+    app[REGISTRY] = CollectorRegistry(auto_describe=False)
+    app[REGISTRY].register(FederationCollector(engine.health, app[STORE], lambda: transport))
     async with transport:
         await transport.subscribe(T.up_filter(cfg.rounds.federation))
 
@@ -296,49 +301,9 @@ async def _rounds(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    h = engine.health()
-    lines = [
-        "# TYPE fedsdk_round gauge",
-        f"fedsdk_round {h['round']}",
-        "# TYPE fedsdk_clients_online gauge",
-        f"fedsdk_clients_online {h['online']}",
-        "# TYPE fedsdk_late_updates_total counter",
-        f"fedsdk_late_updates_total {h['late']}",
-        "# TYPE fedsdk_rejected_messages_total counter",
-    ]
-    for code, n in sorted(h["rejected"].items()):
-        lines.append(f'fedsdk_rejected_messages_total{{code="{code}"}} {n}')
-    # the transport's frames refused before reassembly (by code) and messages it dropped (by reason)
-    transport = request.app[TRANSPORT]
-    lines.append("# TYPE fedsdk_rejected_frames_total counter")
-    for code, n in transport.frame_rejections.items():
-        lines.append(f'fedsdk_rejected_frames_total{{code="{code}"}} {n}')
-    stats = transport.stats
-    lines += [
-        "# TYPE fedsdk_dropped_messages_total counter",
-        f'fedsdk_dropped_messages_total{{reason="incomplete"}} {stats["dropped_incomplete"]}',
-        f'fedsdk_dropped_messages_total{{reason="overflow"}} {stats["dropped_overflow"]}',
-    ]
-    lines.append("# TYPE fedsdk_device_failures_total counter")
-    for code, n in sorted(h["device_failures"].items()):
-        lines.append(f'fedsdk_device_failures_total{{code="{code}"}} {n}')
-    done = [r for r in request.app[STORE].rounds() if r.state == "done"]
-    if done:
-        last = done[-1]
-        if "test_accuracy" in last.metrics:
-            lines += [
-                "# TYPE fedsdk_test_accuracy gauge",
-                f"fedsdk_test_accuracy {last.metrics['test_accuracy']}",
-            ]
-        latest = {r.cluster_id: r for r in done}
-        lines.append("# TYPE fedsdk_federated_metric gauge")
-        for k, r in sorted(latest.items()):
-            for name in METRICS:
-                if f"device_{name}" in r.metrics:
-                    value = r.metrics[f"device_{name}"]
-                    lines.append(f'fedsdk_federated_metric{{cluster="{k}",metric="{name}"}} {value}')
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    """Prometheus' text format (:mod:`fedsdk_coordinator.metrics`)."""
+    body = exposition(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _dashboard(request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ from fedsdk._chunking import HEADER, MAGIC
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MAX_MESSAGE_BYTES
 from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
+from promtext import samples, types
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
@@ -55,16 +56,16 @@ async def test_refused_frames_are_counted_in_metrics_and_health(
             for frame in frames:
                 await asyncio.to_thread(raw.publish(topic, frame, qos=1).wait_for_publish, 5)
             expected = {"bad_magic": 1, "short_frame": 2, "too_large": 1}
-            want = [f'fedsdk_rejected_frames_total{{code="{c}"}} {n}' for c, n in expected.items()]
+            want = {("fedsdk_rejected_frames_total", (("code", c),)): n for c, n in expected.items()}
             deadline = asyncio.get_running_loop().time() + 10
             while True:
                 metrics = await (await http.get("/metrics")).text()
-                if all(line in metrics.splitlines() for line in want):
+                if all(samples(metrics).get(k) == n for k, n in want.items()):
                     break
                 assert asyncio.get_running_loop().time() < deadline, metrics
                 await asyncio.sleep(0.05)
-            assert "# TYPE fedsdk_rejected_frames_total counter" in metrics.splitlines()
-            assert 'fedsdk_dropped_messages_total{reason="incomplete"} 0' in metrics.splitlines()
+            assert types(metrics)["fedsdk_rejected_frames"] == "counter"
+            assert samples(metrics)["fedsdk_dropped_messages_total", (("reason", "incomplete"),)] == 0
             health: dict[str, Any] = await (await http.get("/api/health")).json()
             assert health["rejected_frames"] == expected
             assert health["rejected"] == {}  # nothing reached the round engine
