@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError, StateError, TrainingError, TransportClosed
@@ -42,7 +42,7 @@ from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
 from fedsdk_coordinator.evaluation import by_cluster, describe_evaluation
-from fedsdk_coordinator.metrics import FederationCollector, exposition
+from fedsdk_coordinator.metrics import FederationCollector
 from fedsdk_coordinator.models.source import ModelSource, load_model
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
@@ -194,7 +194,7 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     app[ENGINE] = engine
     app[TRANSPORT] = transport
     app[REGISTRY] = CollectorRegistry(auto_describe=False)
-    app[REGISTRY].register(FederationCollector(engine.health, app[STORE], lambda: transport))
+    app[REGISTRY].register(FederationCollector(engine.health, app[STORE], transport))
     async with transport:
         await transport.subscribe(T.up_filter(cfg.rounds.federation))
 
@@ -302,7 +302,7 @@ async def _rounds(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     """Prometheus' text format (:mod:`fedsdk_coordinator.metrics`)."""
-    body = exposition(request.app[REGISTRY])
+    body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fedsdk_coordinator.evaluation import METRICS
 from fedsdk_coordinator.store import Store
 
-__all__ = ["ROUND_BUCKETS", "SERIES", "FederationCollector", "exposition"]
+__all__ = ["ROUND_BUCKETS", "SERIES", "FederationCollector"]
 
 # name (as exposed), type, help
 SERIES: tuple[tuple[str, str, str], ...] = (
@@ -61,9 +60,7 @@ def _counter(name: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
 class FederationCollector(Collector):
     """Reads one coordinator's state at every scrape."""
 
-    def __init__(
-        self, health: Callable[[], dict[str, Any]], store: Store, transport: Callable[[], Any]
-    ) -> None:
+    def __init__(self, health: Callable[[], dict[str, Any]], store: Store, transport: Any) -> None:
         self._health, self._store, self._transport = health, store, transport
 
     def collect(self) -> Iterator[Metric]:
@@ -85,18 +82,17 @@ class FederationCollector(Collector):
         yield from self._round_series()
 
     def _transport_series(self) -> Iterator[Metric]:
-        transport = self._transport()
+        transport = self._transport
         frames = _counter("fedsdk_rejected_frames_total", ("code",))
         dropped = _counter("fedsdk_dropped_messages_total", ("reason",))
         moved = _counter("fedsdk_transport_bytes_total", ("direction",))
-        if transport is not None:
-            for code, n in sorted(transport.frame_rejections.items()):
-                frames.add_metric([code], n)
-            stats = transport.stats
-            dropped.add_metric(["incomplete"], stats["dropped_incomplete"])
-            dropped.add_metric(["overflow"], stats["dropped_overflow"])
-            moved.add_metric(["in"], stats["bytes_in"])
-            moved.add_metric(["out"], stats["bytes_out"])
+        for code, n in sorted(transport.frame_rejections.items()):
+            frames.add_metric([code], n)
+        stats = transport.stats
+        dropped.add_metric(["incomplete"], stats["dropped_incomplete"])
+        dropped.add_metric(["overflow"], stats["dropped_overflow"])
+        moved.add_metric(["in"], stats["bytes_in"])
+        moved.add_metric(["out"], stats["bytes_out"])
         yield from (frames, dropped, moved)
 
     def _round_series(self) -> Iterator[Metric]:
@@ -111,11 +107,10 @@ class FederationCollector(Collector):
             "fedsdk_round_seconds", _help("fedsdk_round_seconds"), buckets=buckets, sum_value=sum(seconds)
         )
         latest = {r.cluster_id: r for r in done}  # store.rounds() is in round order
-        per_cluster = {
-            "fedsdk_encrypted_ratio": ("encrypted_ratio",),
-            "fedsdk_aggregate_seconds": ("aggregate_s",),
-        }
-        for name, (key,) in per_cluster.items():
+        for name, key in (
+            ("fedsdk_encrypted_ratio", "encrypted_ratio"),
+            ("fedsdk_aggregate_seconds", "aggregate_s"),
+        ):
             family = GaugeMetricFamily(name, _help(name), labels=["cluster"])
             for k, r in sorted(latest.items()):
                 if key in r.metrics:
@@ -133,8 +128,3 @@ class FederationCollector(Collector):
         if done and "test_accuracy" in done[-1].metrics:
             own.add_metric([], float(done[-1].metrics["test_accuracy"]))
         yield own
-
-
-def exposition(registry: CollectorRegistry) -> bytes:
-    """The registry in Prometheus' text format."""
-    return generate_latest(registry)

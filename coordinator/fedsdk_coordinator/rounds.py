@@ -81,8 +81,8 @@ class RoundEngine(FederationState):
         super().__init__(config)
         self.initial = [np.asarray(w, dtype=np.float32) for w in initial_weights]
         self.shapes = [tuple(w.shape) for w in self.initial]
-        self.n_values = int(sum(int(np.prod(s)) for s in self.shapes))
         self.strategy = strategy(config.strategy)(config, he, self.shapes)
+        self.n_values = self.strategy.n_values
         if he is not None and he.can_decrypt:
             raise ConfigError("the coordinator must not hold the HE secret key: give it the public key only")
         floor_packs(self.shapes, parse_floors(config.mask_floor), 1)  # a bad name or layer: here, once

@@ -108,9 +108,8 @@ async def _aggregate(e: RoundEngine, rnd: RoundState, valid: list[Any]) -> Aggre
         e.store.save_encrypted(rnd.cluster_id, rnd.round_id, agg.envelope)
     else:
         e.store.save_aggregate(rnd.cluster_id, rnd.round_id, agg.envelope, agg.weights)
-    reached("aggregate_stored", rnd.round_id)
-    if agg.weights is not None:
         e.models[rnd.cluster_id] = agg.weights
+    reached("aggregate_stored", rnd.round_id)
     if rnd.shares:
         for cid, (lo, hi) in rnd.shares.items():
             a, b = part_ranks(lo, hi, rnd.union_packs)
