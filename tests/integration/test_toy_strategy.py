@@ -77,6 +77,7 @@ async def test_a_strategy_defined_in_a_test_runs_a_federation(tmp_path: Path) ->
             async with clients[0], clients[1]:
                 summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
             aggregates = {r: engine.store.encrypted(0, r) for r in (1, 2)}
+            summed = {r.round_id: r.metrics.get("summed_on_arrival") for r in engine.store.rounds()}
             initial, shapes = engine.initial, engine.shapes
     assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
     with load_he(secret) as keyholder:
@@ -96,7 +97,19 @@ async def test_a_strategy_defined_in_a_test_runs_a_federation(tmp_path: Path) ->
             assert env is not None
             msg = decode(env)
             assert isinstance(msg, EncryptedAggregate)
-            delta = keyholder.decrypt_aggregate(pipeline.he_aggregate_from_message(msg))
+            # summed as the updates arrived, into the very bytes of the sum over the round's updates
+            assert summed[r] == 1.0, summed
+            published = pipeline.he_aggregate_from_message(msg)
+            again = keyholder.aggregate(
+                [
+                    c
+                    for _, c in sorted(
+                        zip([u.client_id for u in updates], contributions, strict=True), key=lambda p: p[0]
+                    )
+                ]
+            )
+            assert published.ciphertexts == again.ciphertexts and np.array_equal(published.clear, again.clear)
+            delta = keyholder.decrypt_aggregate(published)
             each = [keyholder.decrypt_aggregate(keyholder.aggregate([c])) for c in contributions]
             weights = np.array([c.weight for c in contributions], dtype=np.float64)
             want = (weights[:, None] * np.stack(each)).sum(axis=0) / weights.sum()

@@ -251,6 +251,7 @@ class Inbound:
             self._failed(rnd.round_id, rnd.cluster_id, client_id, msg)
         else:
             self.measure(client_id, msg)
+            e.strategy.accepted(msg, rnd, client_id)
         rnd.check_done()
         if rnd.done.is_set():
             reached("all_stored", rnd.round_id)

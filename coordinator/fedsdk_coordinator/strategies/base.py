@@ -9,7 +9,8 @@ plan           :meth:`Strategy.shares` (who decrypts which part of the aggregate
 task           :meth:`Strategy.task_options`: the device settings the strategy decides (mask mode, fill,
                leakage check, the cluster's consensus mask); the engine adds the training settings
 reply          :meth:`Strategy.check_reply`: ``ValidationError`` for an update the strategy cannot
-               aggregate (wrong kind, shape, key, weight); the engine has checked round, cluster, sender
+               aggregate (wrong kind, shape, key, weight); the engine has checked round, cluster, sender;
+               then :meth:`Strategy.accepted` once the engine holds it (a strategy may start summing)
 aggregate      :meth:`Strategy.aggregate`: the cluster's valid updates -> an :class:`Aggregated` (the
                envelope to publish, and the plaintext model when the coordinator can hold one)
 =============  ============================================================================================
@@ -147,6 +148,10 @@ class Strategy:
         """``ValidationError`` for an update (``Update`` or ``EncryptedUpdate``) this strategy cannot
         aggregate into ``rnd``."""
         raise NotImplementedError
+
+    def accepted(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
+        """``sender``'s update ``msg``, checked, is held for ``rnd`` (called on the event loop; never
+        raises). The default does nothing; :class:`HEStrategy` adds it to the round's running sum."""
 
     # -- aggregate ----------------------------------------------------------------------------------
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:

@@ -1,18 +1,30 @@
 """What every strategy that encrypts shares: the check of an encrypted update on receipt, and the mixed
-ciphertext/plaintext sum of a cluster's updates (:func:`fedsdk.crypto.aggregate_contributions`), which the
-coordinator forms with the public key only. Under HE the coordinator never holds the model: the devices keep
-their cluster's model, evaluate it and report the accuracy."""
+ciphertext/plaintext sum of a cluster's updates, which the coordinator forms with the public key only. Under
+HE the coordinator never holds the model: the devices keep their cluster's model, evaluate it and report the
+accuracy.
+
+The sum is formed on arrival (:class:`fedsdk.crypto.running.RunningSum`): each accepted update is added in
+a worker thread while the slower devices still train, so aggregation waits only for the last addition.
+Decision: when the updates aggregated are not exactly the ones added (a round resumed from the store, an
+update left out by the total weight bound), the whole sum is formed again from the updates, in the
+coordinator's process pool (:func:`fedsdk.crypto.aggregate_contributions`), as before; the result is the
+same bytes either way (tests/sdk/crypto/test_crypto_running.py).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fedsdk import pipeline
+from fedsdk.crypto import Aggregate as HEAggregate
 from fedsdk.crypto import HEBackend, aggregate_contributions
+from fedsdk.crypto.running import RunningSum
 from fedsdk.errors import CryptoError, ValidationError
 from fedsdk.protocol import BaseMessage, EncryptedUpdate, Update, encode
 from fedsdk_coordinator.consensus import consensus_mask
@@ -26,11 +38,24 @@ __all__ = ["HEStrategy"]
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Running:
+    """A cluster's round being summed on arrival: the sum, the updates added (by sender) and the additions
+    still running."""
+
+    round_id: int
+    total: RunningSum
+    updates: dict[str, EncryptedUpdate] = field(default_factory=dict)
+    adding: list[asyncio.Future[None]] = field(default_factory=list)
+    broken: bool = False  # an addition failed: aggregate from the updates instead
+
+
 class HEStrategy(Strategy):
     """Base of the strategies whose devices send :class:`EncryptedUpdate` (``backend`` set)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._running: dict[int, _Running] = {}  # per cluster: its open round's sum on arrival
         # per cluster: the union of the masks ÷ the largest single mask, measured (deadline budgets)
         self.union_factor: dict[int, float] = {}
         # per cluster: the consensus mask voted on its last aggregated round, encoded (consensus.py)
@@ -86,15 +111,60 @@ class HEStrategy(Strategy):
         except CryptoError as exc:
             raise ValidationError("bad_ciphertext", str(exc)) from exc
 
+    def accepted(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
+        if not isinstance(msg, EncryptedUpdate):
+            return
+        running = self._running.get(rnd.cluster_id)
+        if running is None or running.round_id != rnd.round_id:
+            running = _Running(rnd.round_id, RunningSum(self.public, self.n_values))
+            self._running[rnd.cluster_id] = running
+        if sender in running.updates:
+            running.broken = True
+            return
+        running.updates[sender] = msg
+        contribution = pipeline.contribution_from_message(msg)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the event loop (a handler driven directly): add here
+            try:
+                running.total.add(sender, contribution)
+            except CryptoError as exc:
+                log.warning("round %d: adding an update on arrival failed: %s", rnd.round_id, exc)
+                running.broken = True
+            return
+        running.adding.append(loop.run_in_executor(None, running.total.add, sender, contribution))
+
+    async def _sum(self, rnd: RoundState, ordered: list[Any], executor: Any) -> tuple[HEAggregate, str]:
+        """The aggregate of ``ordered``: finished from the running sum when it holds exactly those updates,
+        else formed from them in the process pool; and which of the two it was."""
+        he = self.public
+        running = self._running.pop(rnd.cluster_id, None)
+        if running is not None and running.round_id == rnd.round_id:
+            results = await asyncio.gather(*running.adding, return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            for exc in failed:
+                log.warning("round %d: adding an update on arrival failed: %s", rnd.round_id, exc)
+            same = len(running.updates) == len(ordered) and all(
+                running.updates.get(u.client_id) is u for u in ordered
+            )
+            if same and not failed and not running.broken:
+                order = [u.client_id for u in ordered]
+                return await self._off_loop(None, running.total.finish, order), "arrival"
+        contributions = [pipeline.contribution_from_message(u) for u in ordered]
+        he_agg = await self._off_loop(
+            executor, aggregate_contributions, he.name, he.params, he.public_bytes(), contributions
+        )
+        return he_agg, "pool"
+
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
         he = self.public
         ordered = within_total_weight(sorted(valid, key=lambda u: u.client_id), he.fixed.max_total, rnd)
-        contributions = [pipeline.contribution_from_message(u) for u in ordered]
         t0 = time.perf_counter()
-        he_agg = await self._off_loop(
-            inputs.executor, aggregate_contributions, he.name, he.params, he.public_bytes(), contributions
-        )
-        metrics: dict[str, Any] = {"aggregate_s": time.perf_counter() - t0}
+        he_agg, how = await self._sum(rnd, ordered, inputs.executor)
+        metrics: dict[str, Any] = {
+            "aggregate_s": time.perf_counter() - t0,
+            "summed_on_arrival": float(how == "arrival"),
+        }
         union = np.asarray(he_agg.mask)
         metrics["union_ratio"] = float(union.mean())
         rnd.union_packs = int(union.sum())

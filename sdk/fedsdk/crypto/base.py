@@ -336,53 +336,20 @@ class HEBackend(abc.ABC):
     def aggregate(self, contributions: Sequence[Contribution]) -> Aggregate:
         """Mixed FedAvg sum over devices; needs only the public key (SenseCrypt §3.3, FedPHE Alg. 2).
 
+        Per pack: the ciphertexts of the devices that encrypted it, plus the encoded plaintexts of those
+        that did not (added into the ciphertext), or, where no device encrypted, the clear average.
         Refuses contributions under another key (KeyMismatchError), from another backend, of another
-        size, or whose weights or number could overflow a slot (EncodingError).
+        size, or whose weights or number could overflow a slot (EncodingError). The same sum, formed as
+        updates arrive: :class:`fedsdk.crypto.running.RunningSum`.
         """
+        from fedsdk.crypto.running import RunningSum
+
         if not contributions:
             raise CryptoError("nothing to aggregate: no contributions")
         n_values = contributions[0].n_values
-        n_packs = self.num_packs(n_values)
-        for c in contributions:
-            if c.backend != self.name:
-                raise CryptoError(f"contribution from backend {c.backend!r} given to {self.name!r}")
-            self._check_key(c.key_id, "contribution")
-            if c.n_values != n_values or c.mask.size != n_packs:
-                raise CiphertextError(
-                    f"contribution of {c.n_values} values/{c.mask.size} packs, expected {n_values}"
-                )
-        total_weight = self.fixed.check_group([c.weight for c in contributions])
-        for c in contributions:
-            self.validate_contribution(c)
-        union = np.zeros(n_packs, dtype=bool)
-        for c in contributions:
-            union |= c.mask
-        # per contribution: index of each pack within its ciphertexts / plaintexts tuple
-        masks = [c.mask.tolist() for c in contributions]
-        cpos = [np.cumsum(c.mask).tolist() for c in contributions]
-        ppos = [np.cumsum(~c.mask).tolist() for c in contributions]
-        out_ct: list[bytes] = []
-        clear_sums: list[Any] = []
-        for pack in range(n_packs):
-            acc: Any = None
-            plain: Any = None
-            for i, c in enumerate(contributions):
-                if masks[i][pack]:
-                    ct = self.raw_ciphertext_from_bytes(c.ciphertexts[cpos[i][pack] - 1])
-                    acc = ct if acc is None else self.raw_add(acc, ct)
-                else:
-                    p = self.raw_plaintext_from_bytes(c.plaintexts[ppos[i][pack] - 1], c.weight)
-                    plain = p if plain is None else self.raw_add_plains(plain, p)
-            if acc is None:
-                clear_sums.append(plain)
-                continue
-            if plain is not None:
-                acc = self.raw_add_plain(acc, plain)
-            out_ct.append(self.raw_ciphertext_to_bytes(acc))
-        clear = self.decode(clear_sums, total_weight).ravel() if clear_sums else np.zeros(0, dtype=np.float64)
-        members = np.stack([c.mask for c in contributions])
-        coins = tuple(c.coins for c in contributions)
-        return Aggregate(
-            self.name, self.key_id, n_values, total_weight, len(contributions), union, tuple(out_ct), clear,
-            members if any(coins) else members[:0], coins if any(coins) else (),
-        )  # fmt: skip
+        self.fixed.check_group([c.weight for c in contributions])
+        running = RunningSum(self, n_values)
+        keys = [str(i) for i in range(len(contributions))]
+        for key, c in zip(keys, contributions, strict=True):
+            running.add(key, c)
+        return running.finish(keys)
