@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsdk.cli._progress import step
 from fedsdk_coordinator.cli._coord import free_port, import_coordinator, serve
 from fedsdk_coordinator.cli._strategy import add_strategy_options, strategy_kwargs
 
@@ -100,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
         print("fedsdk demo: --clients and --rounds must be at least 1", file=sys.stderr)
         return 2
     args.key_mode = args.key_mode or "shared"
-    if not getattr(args, "verbose", 0):  # the demo prints its own line per round
-        logging.getLogger("fedsdk.progress").setLevel(logging.WARNING)
+    from fedsdk_coordinator.engine.cluster import ROUND_LINES
+
+    # The demo prints its own line per round on stdout (with the round count and the round's state), from
+    # the store: the engine's line for the same round would say it twice.
+    logging.getLogger(ROUND_LINES).setLevel(logging.WARNING)
     co = import_coordinator()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -116,7 +120,8 @@ def _make_keys(work: Path, args: argparse.Namespace, backend: str) -> dict[str, 
     from fedsdk.hekeys import save_he
 
     options: dict[str, Any] = {"key_bits": args.key_bits} if backend != "ckks" else {}
-    with generate_backend(backend, **options) as he:
+    bits = f", {args.key_bits} bits" if "key_bits" in options else ""
+    with step(f"HE key generation ({backend}{bits})"), generate_backend(backend, **options) as he:
         dirs = {"coordinator": save_he(work / "he" / "coordinator", he, include_secret=False)}
         dirs["device"] = save_he(work / "he" / "device", he, include_secret=args.key_mode == "shared")
         if args.key_mode == "keyserver":
