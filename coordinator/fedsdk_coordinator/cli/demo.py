@@ -121,7 +121,9 @@ def _make_keys(work: Path, args: argparse.Namespace, backend: str) -> dict[str, 
 
     options: dict[str, Any] = {"key_bits": args.key_bits} if backend != "ckks" else {}
     bits = f", {args.key_bits} bits" if "key_bits" in options else ""
-    with step(f"HE key generation ({backend}{bits})"), generate_backend(backend, **options) as he:
+    with step(f"HE key generation ({backend}{bits})"):
+        he = generate_backend(backend, **options)
+    with he:
         dirs = {"coordinator": save_he(work / "he" / "coordinator", he, include_secret=False)}
         dirs["device"] = save_he(work / "he" / "device", he, include_secret=args.key_mode == "shared")
         if args.key_mode == "keyserver":
