@@ -35,23 +35,35 @@ def enabled(name: str, level: int) -> bool:
 
 @pytest.mark.usefixtures("restore_levels")
 def test_each_verbosity_shows_what_it_says() -> None:
-    configure(0)
+    configure(0, whole_process=True)
     assert enabled("fedsdk.progress.rounds", logging.INFO) and enabled("fedsdk.client.work", logging.WARNING)
     assert not enabled("fedsdk.client.work", logging.INFO)
     assert not enabled("fedsdk_coordinator.rounds", logging.INFO)
     assert not enabled("amqtt.broker", logging.INFO) and not enabled("transitions.core", logging.INFO)
-    configure(1)
+    configure(1, whole_process=True)
     assert enabled("fedsdk.transport", logging.DEBUG) and enabled("fedsdk_coordinator.rounds", logging.DEBUG)
     assert enabled("fedsdk_bench.load", logging.DEBUG)
     for name in ("amqtt.broker", "transitions.core", "paho.mqtt.client", "aiohttp.access", "asyncio"):
         assert not enabled(name, logging.INFO), name
         assert enabled(name, logging.WARNING), name
-    configure(2)
+    configure(2, whole_process=True)
     for name in ("amqtt.broker", "transitions.core", "paho.mqtt.client", "aiohttp.access", "asyncio"):
         assert enabled(name, logging.DEBUG), name
-    configure(2, quiet=True)  # -q wins
+    configure(2, quiet=True, whole_process=True)  # -q wins
     assert not enabled("fedsdk.progress", logging.INFO) and not enabled("amqtt", logging.INFO)
     assert enabled("fedsdk.client.work", logging.WARNING)
+
+
+@pytest.mark.usefixtures("restore_levels")
+def test_a_process_with_its_own_logging_keeps_its_root_and_library_levels() -> None:
+    assert logging.getLogger().handlers  # pytest's own, as an application's would be
+    logging.getLogger("amqtt").setLevel(logging.DEBUG)
+    root = logging.getLogger().level
+    configure(0)
+    assert logging.getLogger("amqtt").level == logging.DEBUG and logging.getLogger().level == root
+    assert enabled("fedsdk.progress", logging.INFO)
+    configure(1)
+    assert enabled("fedsdk.transport", logging.DEBUG)
 
 
 @pytest.mark.usefixtures("restore_levels")

@@ -16,6 +16,11 @@ With ``--self-audit`` every device runs ``fedsdk join --self-audit``: it attacks
 it and withholds the ones from which a local sample is recovered (the summary counts them per device). The
 demo's quorum is every device, so a withheld update fails its round; under the ``plaintext`` strategy most
 devices' updates are withheld (``docs/audit.md``).
+
+Output: one line per round on stdout (``round 2/5 cluster 0: done, accuracy ...``), read from the store, in
+place of the coordinator's own progress line for that round, which the demo does not print; the tables at
+the end. Key generation is a progress line on stderr; the device processes log at ``-v`` into the work
+folder's ``logs/`` (docs/operations.md, "Logging").
 """
 
 from __future__ import annotations

@@ -38,20 +38,25 @@ class _Formatter(logging.Formatter):
         return super().format(record)
 
 
-def configure(verbose: int = 0, *, quiet: bool = False) -> None:
-    """Set the loggers' levels for ``-v`` counted ``verbose`` times (or ``-q``) and a stderr handler.
+def configure(verbose: int = 0, *, quiet: bool = False, whole_process: bool | None = None) -> None:
+    """Set the loggers' levels for ``-v`` counted ``verbose`` times (or ``-q``), with a stderr handler.
 
-    A process that already has a root handler (a test, an application embedding the CLI) keeps it; only
-    the levels are set, so calling this again with another verbosity takes effect."""
+    ``whole_process``: also set the root and the libraries' levels and add the handler. By default only
+    when the root logger has no handler yet, as in the ``fedsdk`` command; a process that configured its
+    logging already (an application or a test calling :func:`fedsdk.cli.main`) keeps its handlers and its
+    root and library levels, and only fedsdk's own loggers are set."""
     verbose = 0 if quiet else min(max(int(verbose), 0), 2)
     root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_Formatter() if verbose == 0 else logging.Formatter(DETAIL))
-        root.addHandler(handler)
-    root.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+    if whole_process is None:
+        whole_process = not root.handlers
+    if whole_process:
+        if not root.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(_Formatter() if verbose == 0 else logging.Formatter(DETAIL))
+            root.addHandler(handler)
+        root.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+        for name in THIRD_PARTY:
+            logging.getLogger(name).setLevel(logging.NOTSET if verbose >= 2 else logging.WARNING)
     for name in OWN:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose >= 1 else logging.NOTSET)
     logging.getLogger(PROGRESS).setLevel(logging.WARNING if quiet else logging.INFO)
-    for name in THIRD_PARTY:
-        logging.getLogger(name).setLevel(logging.NOTSET if verbose >= 2 else logging.WARNING)
