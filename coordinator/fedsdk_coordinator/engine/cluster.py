@@ -149,4 +149,8 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
             total_samples=sum(int(getattr(u, "num_samples", 0)) for u in valid),
             metrics={"resumed": 1, **{"budget_" + cid: b for cid, b in rnd.budgets.items()}},
         )
+        progress.info(
+            "round %d/%d cluster %d: %d updates, aggregated before the restart and published again",
+            rnd.round_id, e.config.rounds, rnd.cluster_id, len(valid),
+        )  # fmt: skip
     return True
