@@ -43,7 +43,14 @@ NOT_ON_A_DEVICE = (
     "tenseal", "matplotlib", "gmpy2", "prometheus_client",
 )  # fmt: skip
 
-DEVICE_CLI = {"fedsdk.cli._common", "fedsdk.cli.join", "fedsdk.cli.profile", "fedsdk.cli.bench"}
+DEVICE_CLI = {
+    "fedsdk.cli._common",
+    "fedsdk.cli._logging",
+    "fedsdk.cli._progress",
+    "fedsdk.cli.join",
+    "fedsdk.cli.profile",
+    "fedsdk.cli.bench",
+}
 DEVICE = """
 import atexit, json, sys
 site, sdk, out = sys.argv[1:4]

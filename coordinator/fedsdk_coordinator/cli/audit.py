@@ -16,9 +16,10 @@ import json
 import logging
 from typing import Any
 
+from fedsdk.cli._progress import step
 from fedsdk.errors import ConfigError
 
-log = logging.getLogger("fedsdk_coordinator.cli.audit")
+log = logging.getLogger("fedsdk.progress.audit")  # the audit's steps, shown by default (-q hides them)
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -172,7 +173,8 @@ def run_sent(args: argparse.Namespace) -> int:
         ig_tv=args.dlg_tv,
         attacks=SENT_ATTACKS if args.attacks is None else tuple(args.attacks),
     )
-    report = run_sent_audit(config, x, y, public, value_range=value_range, progress=log.info)
+    with step(f"audit of the sent update ({', '.join(config.attacks)})"):
+        report = run_sent_audit(config, x, y, public, value_range=value_range, progress=log.info)
     print("\n".join(report.lines()))
     return _finish(args, report.to_dict(), report.protected)
 
@@ -203,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         sweep_metrics=tuple(args.sweep_metrics),
         sweep_ratios=tuple(args.ratios),
     )
-    report = run_audit(config, sweep=args.sweep, progress=log.info)
+    with step(f"audit ({', '.join(config.attacks)}{', sweep' if args.sweep else ''})"):
+        report = run_audit(config, sweep=args.sweep, progress=log.info)
     print(format_report(report))
     return _finish(args, report.to_dict(), report.protected)

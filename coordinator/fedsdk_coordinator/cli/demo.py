@@ -16,6 +16,11 @@ With ``--self-audit`` every device runs ``fedsdk join --self-audit``: it attacks
 it and withholds the ones from which a local sample is recovered (the summary counts them per device). The
 demo's quorum is every device, so a withheld update fails its round; under the ``plaintext`` strategy most
 devices' updates are withheld (``docs/audit.md``).
+
+Output: one line per round on stdout (``round 2/5 cluster 0: done, accuracy ...``), read from the store, in
+place of the coordinator's own progress line for that round, which the demo does not print; the tables at
+the end. Key generation is a progress line on stderr; the device processes log at ``-v`` into the work
+folder's ``logs/`` (docs/operations.md, "Logging").
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsdk.cli._progress import step
 from fedsdk_coordinator.cli._coord import free_port, import_coordinator, serve
 from fedsdk_coordinator.cli._strategy import add_strategy_options, strategy_kwargs
 
@@ -100,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
         print("fedsdk demo: --clients and --rounds must be at least 1", file=sys.stderr)
         return 2
     args.key_mode = args.key_mode or "shared"
-    if not getattr(args, "verbose", 0):  # the demo prints its own line per round
-        logging.getLogger("fedsdk.progress").setLevel(logging.WARNING)
+    from fedsdk_coordinator.engine.cluster import ROUND_LINES
+
+    # The demo prints its own line per round on stdout (with the round count and the round's state), from
+    # the store: the engine's line for the same round would say it twice.
+    logging.getLogger(ROUND_LINES).setLevel(logging.WARNING)
     co = import_coordinator()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -116,7 +125,10 @@ def _make_keys(work: Path, args: argparse.Namespace, backend: str) -> dict[str, 
     from fedsdk.hekeys import save_he
 
     options: dict[str, Any] = {"key_bits": args.key_bits} if backend != "ckks" else {}
-    with generate_backend(backend, **options) as he:
+    bits = f", {args.key_bits} bits" if "key_bits" in options else ""
+    with step(f"HE key generation ({backend}{bits})"):
+        he = generate_backend(backend, **options)
+    with he:
         dirs = {"coordinator": save_he(work / "he" / "coordinator", he, include_secret=False)}
         dirs["device"] = save_he(work / "he" / "device", he, include_secret=args.key_mode == "shared")
         if args.key_mode == "keyserver":

@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any
 
+from fedsdk.cli._progress import step
 from fedsdk.errors import ConfigError
 
 
@@ -72,6 +73,11 @@ def _warn(lines: list[str]) -> None:
         print(f"!! {line}", file=sys.stderr)
 
 
+def _he(he: Any) -> str:
+    """``packed, key_bits 4096``: the backend and the options its key pair is made with."""
+    return ", ".join([he.backend, *(f"{k} {v}" for k, v in sorted(he.options.items()))])
+
+
 def _emit(args: argparse.Namespace, data: dict[str, Any], human: list[str]) -> None:
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -86,7 +92,9 @@ def _new_fleet(args: argparse.Namespace) -> int:
         raise ConfigError(
             "fedsdk provision needs --fleet FILE and --out DIR (or an action: add-device, revoke)"
         )
-    report = provision(load_fleet(args.fleet), args.out)
+    fleet = load_fleet(args.fleet)
+    with step(f"provisioning {len(fleet.devices)} devices (CA, certificates, HE key pair: {_he(fleet.he)})"):
+        report = provision(fleet, args.out)
     human = [
         f'provisioned federation "{report.federation}" in {report.fleet_dir}',
         f"  key mode {report.key_mode}, HE backend {report.backend}, key id {report.key_id[:16]}",
@@ -161,7 +169,8 @@ def _reissue(args: argparse.Namespace) -> int:
 def _rotate_he(args: argparse.Namespace) -> int:
     from fedsdk_coordinator.provision import rotate_he
 
-    report = rotate_he(args.fleet_dir)
+    with step("new HE key pair for every kit"):
+        report = rotate_he(args.fleet_dir)
     human = [f"new HE key pair {report.new_key_id[:16]} (was {report.old_key_id[:16]})"]
     human += [f"  updated {p}" for p in report.kits]
     _emit(args, report.to_json(), human)

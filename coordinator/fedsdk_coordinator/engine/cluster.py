@@ -24,10 +24,11 @@ from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs
 if TYPE_CHECKING:
     from fedsdk_coordinator.rounds import RoundEngine
 
-__all__ = ["run_cluster_round"]
+__all__ = ["ROUND_LINES", "run_cluster_round"]
 
+ROUND_LINES = "fedsdk.progress.rounds"
 log = logging.getLogger("fedsdk_coordinator.rounds")
-progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
+progress = logging.getLogger(ROUND_LINES)  # one line per cluster round; the CLI shows it by default
 
 
 async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
@@ -80,9 +81,9 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
         metrics=metrics,
     )
     progress.info(
-        "round %d cluster %d: %d updates, %s, %.0f%% encrypted, %.2f s",
-        round_id, cluster_id, agg.num_clients, describe_evaluation(metrics), 100 * metrics["encrypted_ratio"],
-        metrics["round_s"],
+        "round %d/%d cluster %d: %d updates, %s, %.0f%% encrypted, %.2f s",
+        round_id, c.rounds, cluster_id, agg.num_clients, describe_evaluation(metrics),
+        100 * metrics["encrypted_ratio"], metrics["round_s"],
     )  # fmt: skip
     return True
 
@@ -148,4 +149,8 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
             total_samples=sum(int(getattr(u, "num_samples", 0)) for u in valid),
             metrics={"resumed": 1, **{"budget_" + cid: b for cid, b in rnd.budgets.items()}},
         )
+        progress.info(
+            "round %d/%d cluster %d: %d updates, aggregated before the restart and published again",
+            rnd.round_id, e.config.rounds, rnd.cluster_id, len(valid),
+        )  # fmt: skip
     return True

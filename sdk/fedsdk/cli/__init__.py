@@ -5,6 +5,9 @@ Exit codes: 0 success; 1 the federation or the run failed; 2 bad usage or config
 
 A process that seems stuck can be asked where it is: ``kill -USR1 <pid>`` prints the stack of every thread
 to stderr (:mod:`faulthandler`; POSIX only) and the process carries on.
+
+Logging (:mod:`fedsdk.cli._logging`): by default one progress line per round and per long step, and
+warnings; ``-v`` adds fedsdk's own detail, ``-vv`` the libraries' too; ``-q`` leaves warnings alone.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ import argparse
 import contextlib
 import faulthandler
 import importlib
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from fedsdk import __version__
+from fedsdk.cli._logging import configure
 from fedsdk.errors import ConfigError, ConnectError, FedError
 
 __all__ = ["main"]
@@ -61,7 +64,14 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="fedsdk", description="Federated learning with selective HE over MQTT")
     p.add_argument("--version", action="version", version=f"fedsdk {__version__}")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: fedsdk's own debug detail; -vv: also the libraries' (amqtt, transitions, paho, aiohttp)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only: no progress lines")
     sub = p.add_subparsers(dest="command", required=True)
     join.add_parser(sub)
     if command not in DEVICE_COMMANDS:
@@ -85,10 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fedsdk: {exc}", file=sys.stderr)
             return EXIT_USAGE
     args = _parser(command).parse_args(words)
-    level = logging.WARNING - 10 * min(int(args.verbose), 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level > logging.INFO:  # one line per round (coordinator and devices) even at default verbosity
-        logging.getLogger("fedsdk.progress").setLevel(logging.INFO)
+    # a command printing JSON on stdout (``--json`` without a path) is read by a script: no progress lines
+    configure(args.verbose, quiet=args.quiet or getattr(args, "json", None) is True)
     if hasattr(signal, "SIGUSR1"):
         # kill -USR1: every thread's stack; not where stderr has no file descriptor (embedded, captured)
         with contextlib.suppress(AttributeError, ValueError, OSError, RuntimeError):

@@ -13,6 +13,7 @@ import argparse
 import importlib
 from typing import Any
 
+from fedsdk.cli._progress import step
 from fedsdk.errors import ConfigError
 
 BENCHMARKS = {"crypto": "fedsdk.crypto.bench", "load": "fedsdk_bench.load", "fleet": "fedsdk_bench.fleet"}
@@ -38,4 +39,5 @@ def run(args: argparse.Namespace) -> int:
             f"'fedsdk bench {args.what}' needs the benchmark harness and the coordinator side, which are not "
             f"installed here ({exc}): pip install 'fedsdk[coordinator]'"
         ) from exc
-    return int(module.main(list(args.rest)))
+    with step(f"benchmark {args.what}"):
+        return int(module.main(list(args.rest)))

@@ -11,6 +11,8 @@ import argparse
 import json
 from typing import Any
 
+from fedsdk.cli._progress import step
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="print this device's capability facts", description=__doc__)
@@ -32,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
         from fedsdk.crypto import generate_backend
 
         options: dict[str, Any] = {"key_bits": args.key_bits} if args.backend != "ckks" else {}
-        with generate_backend(args.backend, **options) as he:
+        bits = f", {args.key_bits} bits" if options else ""
+        with step(f"HE key generation ({args.backend}{bits})"):
+            he = generate_backend(args.backend, **options)
+        with he, step(f"{args.seconds:g} s of {args.backend} encryption"):
             facts[f"he_{args.backend}_values_per_s"] = round(calibrate_he(he, seconds=args.seconds), 1)
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))

@@ -383,7 +383,10 @@ class Aggregates:
         )
         await steps.publish(T.REPORT, report)
         shown = "" if value is None else f", held-out {summary.metric} {value:.4f}"
+        of = f"/{last:.0f}" if isinstance(last, int | float) else ""
         progress.info(
-            "round %d cluster %d: model applied%s (%.2f s to decrypt and apply)",
-            agg.round_id, agg.cluster_id, shown, metrics.get("decrypt_s", 0.0) + metrics.get("merge_s", 0.0),
+            "round %d%s cluster %d: model applied%s, update %.0f%% encrypted (%d bytes), %.2f s "
+            "(%.2f s to decrypt and apply)",
+            agg.round_id, of, agg.cluster_id, shown, 100 * pending.encrypted_ratio, pending.nbytes,
+            time.monotonic() - pending.started, metrics.get("decrypt_s", 0.0) + metrics.get("merge_s", 0.0),
         )  # fmt: skip

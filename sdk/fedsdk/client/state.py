@@ -8,6 +8,7 @@ update one :class:`DeviceState`; what only one of them needs stays in that part.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,9 @@ class Pending:
     task: Task
     base: list[np.ndarray]  # the model the device trained from
     upload_s: float = 0.0
+    nbytes: int = 0  # the update's size on the wire
+    encrypted_ratio: float = 0.0  # the share of the update sent encrypted
+    started: float = field(default_factory=time.monotonic)  # when training began
     book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
     applying: bool = False  # its aggregate is being applied
     # the shapes and the update whose leakage count runs after sending (every pack encrypted)

@@ -55,7 +55,6 @@ from fedsdk.selfaudit import check_threshold, self_audit
 __all__ = ["TaskSteps", "Tasks", "Work"]
 
 log = logging.getLogger(__name__)
-progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
 
 Base = list[np.ndarray]
 
@@ -404,12 +403,13 @@ class Tasks:
         except TransportError:  # kept: the coordinator asks again and gets the same bytes
             trained(float("nan"), 0)
             raise
-        pending.upload_s = upload_s
+        pending.upload_s, pending.nbytes = upload_s, nbytes
+        pending.encrypted_ratio = float(record.get("encrypted_ratio", 0.0))
         trained(upload_s, nbytes)
         if pending.leak_input is not None:  # off the critical path: the device now waits for the aggregate
             pending.leak = loop.run_in_executor(None, steps.leak_count, task, *pending.leak_input)
             pending.leak_input = None
-        progress.info(
+        log.info(  # detail (-v): the round's progress line is the one when its aggregate is applied
             "round %d cluster %d: update sent (%d bytes, %.0f%% encrypted, %.2f s training)",
             task.round_id, task.cluster_id, nbytes, 100 * record.get("encrypted_ratio", 0.0),
             record["train_s"],
