@@ -144,14 +144,17 @@ function byCluster() {
 }
 
 function latestByDevice() {
-  // each device's latest result (and the round it came from) and its failures by code
+  // each device's latest update in a finished round (in a running one when it has none yet: a running
+  // round's record holds no budgets, and its devices' reports come after the aggregate), and its
+  // failures by code
   const latest = new Map();
   const failures = new Map();
-  const sorted = [...rounds.values()].sort((a, b) => a.round_id - b.round_id);
+  const sorted = [...rounds.values()].sort((a, b) => a.round_id - b.round_id || (a.state === "done") - (b.state === "done"));
   for (const r of sorted) {
     for (const x of r.results) {
-      if (x.status === "update") latest.set(x.client_id, { round: r, result: x });
-      else {
+      if (x.status === "update") {
+        if (r.state === "done" || !latest.has(x.client_id)) latest.set(x.client_id, { round: r, result: x });
+      } else {
         const code = x.status.replace(/^error:/, "");
         const f = failures.get(x.client_id) || {};
         f[code] = (f[code] || 0) + 1;
@@ -164,19 +167,21 @@ function latestByDevice() {
 
 // -- drawing --------------------------------------------------------------------------------------------------
 function plot(series, planned) {
-  const W = 536, H = 170, L = 42, R = 10, T = 12, B = 28;
+  const W = 536, H = 180, L = 42, R = 10, T = 24, B = 28;
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "plot", role: "img" });
   const points = series.filter((p) => p.eval !== null);
   const name = points.length ? points[0].eval.name.replace("_", " ") : "metric";
   const bounded = name !== "mae";
   const ys = points.map((p) => p.eval.value);
+  // a share: from 0.5 (or lower, to the lowest point) to 1 with a line every 0.1 or 0.2; an error: from 0
   const yMax = bounded ? 1 : Math.max(1e-9, ...ys) * 1.1;
-  const yMin = bounded ? Math.min(0.5, ...ys.map((y) => Math.floor(y * 10) / 10)) : 0;
+  const yMin = bounded ? Math.min(0.5, ...ys.map((v) => Math.floor(v * 5) / 5)) : 0;
+  const ticks = bounded ? Math.round((yMax - yMin) / (yMax - yMin > 0.5 ? 0.2 : 0.1)) : 4;
   const xMax = Math.max(planned || 1, ...series.map((p) => p.round));
   const x = (round) => L + ((W - L - R) * (round - 0.5)) / xMax;
   const y = (v) => T + (H - T - B) * (1 - (v - yMin) / (yMax - yMin || 1));
-  for (let i = 0; i <= 4; i++) {
-    const v = yMin + ((yMax - yMin) * i) / 4;
+  for (let i = 0; i <= ticks; i++) {
+    const v = yMin + ((yMax - yMin) * i) / ticks;
     root.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: "#e5e7eb" }));
     root.append(svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, bounded ? pct(v) : fixed(v, 2)));
   }
@@ -198,33 +203,35 @@ function plot(series, planned) {
     const lastP = points[points.length - 1];
     const label = `${points.some((p) => p.eval.own) ? "coordinator's" : "federated"} ${name}: ` +
       (bounded ? `${(100 * lastP.eval.value).toFixed(1)}%` : fixed(lastP.eval.value, 4));
-    root.append(svg("text", { x: L + 4, y: T + 10, class: "title" }, label));
+    root.append(svg("text", { x: L, y: 12, class: "title" }, label));
   } else {
-    root.append(svg("text", { x: L + 4, y: T + 10, class: "title" }, "no evaluation reported yet"));
+    root.append(svg("text", { x: L, y: 12, class: "title" }, "no evaluation reported yet"));
   }
   return root;
 }
 
 function bars(series) {
+  // each finished round: its time split into steps, as shares of the round's whole (the first round also
+  // starts the coordinator's workers, which would flatten every other bar), and its seconds
   const done = series.filter((r) => r.state === "done");
   const W = 536, row = 14, L = 42, R = 60;
   const H = Math.max(1, done.length) * row + 6;
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "bars", role: "img" });
-  const splits = done.map((r) => [r, timeSplit(r)]);
-  const longest = Math.max(1e-9, ...splits.map(([, s]) => Object.values(s).reduce((a, b) => a + b, 0)));
-  splits.forEach(([r, split], i) => {
+  done.forEach((r, i) => {
+    const split = timeSplit(r);
+    const whole = Math.max(1e-9, Object.values(split).reduce((a, b) => a + b, 0));
     const top = 3 + i * row;
     root.append(svg("text", { x: L - 6, y: top + 10, "text-anchor": "end" }, `r${r.round_id}`));
     let left = L;
     for (const step of [...STEPS.map(([s]) => s), "other"]) {
-      const w = ((W - L - R) * split[step]) / longest;
+      const w = ((W - L - R) * split[step]) / whole;
       if (w <= 0) continue;
       const rect = svg("rect", { x: left, y: top, width: Math.max(w, 0.5), height: row - 3, fill: COLORS[step] });
       rect.append(svg("title", {}, `round ${r.round_id} ${step}: ${fixed(split[step], 3)} s`));
       root.append(rect);
       left += w;
     }
-    root.append(svg("text", { x: left + 4, y: top + 10 }, `${fixed(r.metrics.round_s, 2)} s`));
+    root.append(svg("text", { x: W - R + 4, y: top + 10 }, `${fixed(r.metrics.round_s, 2)} s`));
   });
   return root;
 }
@@ -319,7 +326,7 @@ function renderDevices(clients) {
       cell(fixed(m.decrypt_s, 3), "num"),
       cell(Object.entries(f).map(([k, v]) => `${k}×${v}`).join(", "), "bad"),
       cell(describeDeclines(c.declines)),
-      cell(deviceFacts(c.facts || {})),
+      cell(deviceFacts(c.facts || {}), "facts"),
     );
     return row;
   });
@@ -334,7 +341,10 @@ function renderProtection(health, clients) {
   const ratios = done.map((r) => r.metrics.encrypted_ratio).filter((v) => typeof v === "number");
   if (ratios.length) {
     const clear = 1 - mean(ratios);
-    items.push(el("li", { text: `${pct(clear)} of each update left its device in the clear, on average over ${ratios.length} cluster rounds (${pct(1 - Math.max(...ratios))}–${pct(1 - Math.min(...ratios))})` }));
+    const lo = pct(1 - Math.max(...ratios));
+    const hi = pct(1 - Math.min(...ratios));
+    const range = lo === hi ? "" : ` (${lo} to ${hi})`;
+    items.push(el("li", { text: `${pct(clear)} of each update left its device in the clear, on average over ${ratios.length} cluster rounds${range}` }));
   } else {
     items.push(el("li", { text: "no round finished yet" }));
   }
