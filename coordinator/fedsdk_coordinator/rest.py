@@ -74,7 +74,7 @@ def clusters_view(engine: RoundEngine, store: Store, best_split: dict[str, Any] 
     """The body of ``/api/clusters`` (see openapi.json, ``Clusters``)."""
     c = engine.clustering
     status, reason = _reason(engine, c)
-    clients = [r for r in store.clients() if r.client_id not in engine.refused]
+    clients = [r for r in store.clients() if r.client_id not in engine.refused and "refused" not in r.facts]
     if engine.clustered:
         assigned = dict(engine.clusters)
     else:
@@ -177,6 +177,7 @@ def add_routes(
                 headers={
                     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
                     "Cache-Control": "no-cache",
+                    "X-Content-Type-Options": "nosniff",
                 },
             )
 

@@ -1,10 +1,12 @@
 """The coordinator's REST API against its OpenAPI description (``fedsdk_coordinator/openapi.json``).
 
 The description is a valid OpenAPI 3.1 document and names exactly the application's routes. Then a real
-federation (mosquitto, the coordinator application, three FedClients on the digits data, two rounds; the
-``plaintext`` strategy and the clustered, encrypted ``fedsdk`` one) runs while every endpoint is fetched over
-and over, and once more at the end, with a malformed message published on a device's upstream topic: every
-response (status, content type, JSON body) must be one the description allows. The schemas forbid keys
+federation (mosquitto, the coordinator application, FedClients on the digits data, two rounds) runs while
+every endpoint is fetched over and over, and once more at the end, with a malformed message published on a
+device's upstream topic: every response (status, content type, JSON body) must be one the description
+allows. Three runs: the ``plaintext`` strategy (no clustering), and the clustered, encrypted ``fedsdk`` one
+on three IID devices (one cluster: the split is refused as too weak) and on four devices whose digits are
+split by label into two groups (two clusters). The schemas forbid keys
 they do not name, so a field added, dropped or retyped in a handler fails here until the description says so.
 """
 
@@ -26,7 +28,7 @@ from brokers import require_mosquitto, start_mosquitto
 from engines import digit_devices
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import save_he
-from fedsdk.model.data import load_digits, partition_iid
+from fedsdk.model.data import load_digits, partition_iid, partition_label_skew
 from fedsdk.protocol import topics as T
 from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
 from fedsdk_coordinator.app import ENGINE
@@ -117,9 +119,11 @@ def test_a_drifted_response_fails_validation() -> None:
             validator.validate(drifted)
 
 
-@pytest.mark.parametrize("strategy", ["plaintext", "fedsdk"])
+@pytest.mark.parametrize(
+    ("strategy", "devices", "groups"), [("plaintext", 3, 0), ("fedsdk", 3, 0), ("fedsdk", 4, 2)]
+)
 async def test_every_response_of_a_real_federation_matches_the_description(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategy: str, devices: int, groups: int
 ) -> None:
     public = device_keys = None
     if strategy != "plaintext":
@@ -128,10 +132,14 @@ async def test_every_response_of_a_real_federation_matches_the_description(
             public = save_he(tmp_path / "he-public", full, include_secret=False)
             device_keys = save_he(tmp_path / "he-device", full, include_secret=True)
     digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, 3, seed=0)
+    part = (
+        partition_label_skew(digits.y_train, devices, n_groups=groups, seed=0)
+        if groups
+        else partition_iid(digits.y_train, devices, seed=0)
+    )
     fed = f"oa{secrets.token_hex(3)}"
     rounds = RoundConfig(
-        federation=fed, rounds=2, min_clients=2, start_clients=3, strategy=strategy, farewell_s=3.0
+        federation=fed, rounds=2, min_clients=2, start_clients=devices, strategy=strategy, farewell_s=3.0
     )
     fetched: dict[str, int] = {}
     statuses: dict[str, set[int]] = {}
@@ -155,6 +163,9 @@ async def test_every_response_of_a_real_federation_matches_the_description(
             engine = http.app[ENGINE]
             before = await fetch_all(http)  # waiting for devices: empty lists, no clustering yet
             assert before["/api/clients"] == [] and before["/api/rounds"] == []
+            assert before["/api/clusters"]["decision"]["status"] == (
+                "not_clustered" if strategy == "plaintext" else "pending"
+            )
             frame = b"not a fedsdk frame: forty-two bytes and more of plain text"
             await raw_publish(broker.host, broker.port, T.up(fed, "d9", T.HELLO), frame)
 
@@ -185,16 +196,26 @@ async def test_every_response_of_a_real_federation_matches_the_description(
     assert health["round"] == health["current_round"] == health["rounds_planned"] == 2
     assert health["phase"] == "finished" and health["online"] == 0
     assert health["rejected_frames"] == {"bad_magic": 1}
-    assert [r["round_id"] for r in after["/api/rounds?since=2"]] == [2]
+    assert {r["round_id"] for r in after["/api/rounds?since=2"]} == {2}  # one record per cluster
     assert all(not c["online"] for c in after["/api/clients"])  # every device said goodbye
     members = sorted(m for c in clusters["clusters"] for m in c["members"])
-    assert members == ["d0", "d1", "d2"]
+    assert members == [f"d{i}" for i in range(devices)]
+    decision = clusters["decision"]
     if strategy == "plaintext":
-        assert not clusters["clustered"] and clusters["decision"]["status"] == "not_clustered"
+        assert not clusters["clustered"] and decision["status"] == "not_clustered"
     else:
-        decision = clusters["decision"]
-        assert clusters["clustered"] and decision["status"] == "decided" and decision["devices"] == 3
+        assert clusters["clustered"] and decision["status"] == "decided" and decision["devices"] == devices
         assert decision["decided_at"] is not None and decision["reason"]
-        if decision["fallback"] == "weak_structure":  # IID devices: the split is refused as too weak
-            assert decision["best_split"]["silhouette"] < decision["min_silhouette"]
-    assert all(c["latest"]["round"] == 2 and c["latest"]["value"] > 0.5 for c in clusters["clusters"])
+        by_member = {m: c["cluster_id"] for c in clusters["clusters"] for m in c["members"]}
+        assert by_member == health["clusters"]
+        assert all(c["exemplar"] in c["members"] for c in clusters["clusters"])
+    if groups:  # two groups of labels: two clusters, the split kept
+        assert decision["fallback"] is None and decision["n_clusters"] == len(clusters["clusters"]) == groups
+        assert decision["silhouette"] >= decision["min_silhouette"] and decision["best_split"] is None
+    elif strategy != "plaintext":  # IID devices: affinity propagation's split is refused as too weak
+        assert decision["fallback"] == "weak_structure" and decision["n_clusters"] == 1
+        assert decision["best_split"]["silhouette"] < decision["min_silhouette"]
+    # each cluster's latest federated accuracy (on every held-out digit: a label-skewed cluster knows half)
+    latest = [c["latest"] for c in clusters["clusters"]]
+    assert all(x["round"] == 2 and x["metric"] == "accuracy" for x in latest), latest
+    assert all(0.3 < x["value"] <= 1 for x in latest), latest

@@ -77,14 +77,15 @@ async function getJSON(path) {
 }
 
 function since() {
-  // the first round not finished yet, else the one after the last held: what may still change
+  // what may still change: every running round, and the latest round (a round that failed runs again under
+  // the same number)
   let open = Infinity;
   let last = 0;
   for (const r of rounds.values()) {
     last = Math.max(last, r.round_id);
     if (r.state === "running") open = Math.min(open, r.round_id);
   }
-  return open === Infinity ? last + 1 : open;
+  return Math.min(open, last);
 }
 
 async function poll() {
