@@ -1,14 +1,15 @@
 """Screenshots of the coordinator's dashboard during and after a real federation, for the docs.
 
 Runs, on this machine: the coordinator application with its embedded broker (plain TCP on loopback), four
-in-process devices of the ``fedsdk`` strategy (2048-bit packed Paillier, every update encrypted) on the
-digits split by label into two groups (so clustering finds two clusters), each evaluating on the held-out
-digits of its own classes; a malformed frame and a malformed message are published on a device's upstream
-topic so that the rejected-message table has rows. Headless Chromium (Debian's, through Selenium) opens the
-dashboard once and is never reloaded; the page is captured when half the rounds are done and again when the
-federation has finished.
+in-process devices of the ``fedsdk`` strategy (2048-bit packed Paillier, every update encrypted) training
+the ``cnn`` preset for 10 local epochs a round (rounds of a fraction of a second, so that the page is seen
+mid-run) on the digits split by label into two groups (so clustering finds two clusters), each evaluating on
+the held-out digits of its own classes; a malformed frame and a malformed message are published on a
+device's upstream topic so that the rejected-message table has rows. Headless Chromium (Debian's, through
+Selenium) opens the dashboard once and is never reloaded; the page is captured when it shows half the rounds
+done while the federation trains, and again when the federation has finished.
 
-    PYTHONPATH=sdk:coordinator:tests python scripts/dashboard_screenshots.py [--out docs/images] [--rounds 6]
+    PYTHONPATH=sdk:coordinator:tests python scripts/dashboard_screenshots.py [--out docs/images] [--rounds 8]
 
 Needs ``/usr/bin/chromium`` and ``/usr/bin/chromedriver`` (apt-get install chromium chromium-driver) and the
 ``selenium`` package (the ``dev`` extra).
@@ -58,6 +59,22 @@ async def until(condition: Callable[[], bool], timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
+async def page_round(driver: Any) -> int | None:
+    """The rounds the page shows as completed by every cluster while it says ``training``; None once it
+    says the federation is over."""
+    state, rounds = await asyncio.to_thread(
+        driver.execute_script,
+        "return [document.getElementById('state').textContent,"
+        " document.getElementById('round-now').textContent];",
+    )
+    if state in ("finished", "failed"):
+        return None
+    if state != "training":
+        return 0
+    done = rounds.split("(")[1].split()[0] if "(" in rounds else rounds.split()[0]
+    return int(done) if done.isdigit() else 0
+
+
 async def capture(driver: Any, path: Path) -> None:
     """The whole page, beyond the window's height, as a PNG (Chrome DevTools' screenshot)."""
     size = (await asyncio.to_thread(driver.execute_cdp_cmd, "Page.getLayoutMetrics", {}))["cssContentSize"]
@@ -71,7 +88,7 @@ async def capture(driver: Any, path: Path) -> None:
     print(f"wrote {path}")
 
 
-async def main(out: Path, rounds: int, devices: int, key_bits: int, model: str) -> None:
+async def main(out: Path, rounds: int, devices: int, key_bits: int, model: str, epochs: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="fedsdk-dashboard-"))
     with generate_backend("packed", key_bits=key_bits) as full:
         public = save_he(work / "he-public", full, include_secret=False)
@@ -83,7 +100,7 @@ async def main(out: Path, rounds: int, devices: int, key_bits: int, model: str) 
     config = CoordinatorConfig(
         rounds=RoundConfig(
             federation=fed, rounds=rounds, min_clients=2, start_clients=devices, strategy="fedsdk",
-            farewell_s=5.0,
+            epochs=epochs, farewell_s=5.0,
         ),
         state_dir=work / "state",
         model=model,
@@ -121,8 +138,14 @@ async def main(out: Path, rounds: int, devices: int, key_bits: int, model: str) 
             for c in clients:
                 await stack.enter_async_context(c)
             run = asyncio.gather(*(c.run() for c in clients))
+            # mid-run: as soon as the page itself shows half the rounds done while the federation trains
             await until(lambda: engine.completed_round >= max(1, rounds // 2), 600)
-            await asyncio.sleep(2.0)  # a poll or two after the round
+            shown = await page_round(driver)
+            while shown is not None and shown < max(1, rounds // 2):
+                await asyncio.sleep(0.05)
+                shown = await page_round(driver)
+            if shown is None:
+                raise SystemExit("the run ended before the page showed it mid-run: use more --rounds")
             await capture(driver, out / "dashboard-mid.png")
             await run
         await until(lambda: not engine.online, 10)  # the devices said goodbye
@@ -138,10 +161,11 @@ if __name__ == "__main__":  # the coordinator's HE workers start through forkser
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "images")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--key-bits", type=int, default=2048)
     parser.add_argument("--model", default="cnn", help="a preset: mlp, mlpN, cnn")
+    parser.add_argument("--epochs", type=int, default=10, help="local epochs a round (a round of seconds)")
     a = parser.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    asyncio.run(main(a.out, a.rounds, a.devices, a.key_bits, a.model))
+    asyncio.run(main(a.out, a.rounds, a.devices, a.key_bits, a.model, a.epochs))

@@ -292,6 +292,12 @@ function describeDeclines(declines) {
   return String(declines);
 }
 
+function kilobytes(metrics) {
+  // the update's size as sent: its ciphertexts and its clear part
+  const total = sum(metrics, ["cipher_bytes", "plain_bytes"]);
+  return total === null ? null : total / 1024;
+}
+
 function deviceFacts(facts) {
   const parts = [];
   if (facts.platform) parts.push(`${facts.platform}${facts.machine ? `/${facts.machine}` : ""}`);
@@ -319,6 +325,7 @@ function renderDevices(clients) {
       el("td", {}, seen),
       cell(String(c.num_samples), "num"),
       el("td", { class: "num", "data-field": "budget", text: fixed(budget, 2) }),
+      cell(fixed(kilobytes(m), 1), "num"),
       cell(pct(m.encrypted_ratio), "num"),
       cell(pct(m.covered_sensitivity), "num"),
       cell(fixed(m.train_s, 3), "num"),
@@ -361,6 +368,9 @@ function renderProtection(health, clients) {
   }
   const refused = Object.keys(health.refused || {}).length;
   if (refused) items.push(el("li", { class: "bad", text: `${refused} devices refused (their data does not fit the model)` }));
+  const link = health.transport || {};
+  const mb = (n) => (typeof n === "number" ? (n / 1048576).toFixed(1) : "–");
+  items.push(el("li", { text: `coordinator's broker link: ${mb(link.bytes_in)} MB in, ${mb(link.bytes_out)} MB out` }));
   items.push(el("li", { text: `${clients.length} devices known, ${health.online} online` }));
   box.replaceChildren(el("ul", {}, ...items));
 }
