@@ -264,18 +264,20 @@ function renderClusters(health, clusters) {
     card.append(legend());
     cards.push(card);
   }
+  if (!cards.length) cards.push(el("p", { class: "note", text: "no cluster yet: rounds start when enough devices have joined" }));
   box.replaceChildren(...cards);
 }
 
 function renderDecision(clusters) {
   const d = clusters.decision;
-  const rows = [
-    ["status", d.status],
-    ["reason", d.reason],
-    ["clusters", d.n_clusters ?? "–"],
-    ["silhouette", d.silhouette === null ? "n/a" : fixed(d.silhouette, 3)],
-    ["threshold", `a split needs a silhouette of at least ${fixed(d.min_silhouette, 2)}`],
-  ];
+  const rows = [["status", d.status.replace("_", " ")], ["reason", d.reason]];
+  if (d.status !== "not_clustered") {
+    rows.push(
+      ["clusters", d.n_clusters ?? "–"],
+      ["silhouette", d.silhouette === null ? "n/a" : fixed(d.silhouette, 3)],
+      ["threshold", `a split needs a silhouette of at least ${fixed(d.min_silhouette, 2)}`],
+    );
+  }
   if (d.best_split) rows.push(["best split refused", `${d.best_split.n_clusters} clusters, silhouette ${fixed(d.best_split.silhouette, 3)}`]);
   if (d.devices) rows.push(["devices clustered", d.devices]);
   if (d.decided_at) rows.push(["decided", `by ${clock(d.decided_at)}`]);
@@ -338,6 +340,9 @@ function renderDevices(clients) {
     );
     return row;
   });
+  if (!rows.length) {
+    rows.push(el("tr", {}, el("td", { colspan: "15", class: "note", text: "no device has said hello yet" })));
+  }
   body.replaceChildren(...rows);
 }
 
@@ -387,7 +392,9 @@ function renderRejected(health) {
 }
 
 function renderHeader(health) {
-  document.getElementById("state").textContent = health.phase || health.state;
+  const phase = health.phase || health.state;
+  const words = { online: "waiting for devices", waiting: "starting", sketch: "sketch round (clustering)" };
+  document.getElementById("state").textContent = words[phase] || phase;
   document.getElementById("strategy").textContent = health.strategy;
   const planned = health.rounds_planned ? ` of ${health.rounds_planned}` : "";
   const current = health.current_round ?? health.round;
