@@ -9,17 +9,18 @@ Startup contexts, in order (each sets up, yields, then cancels and awaits what i
 4. the round loop, which resumes the round in progress from the store after a crash (``docs/operations.md``,
    "Crash and restart").
 
-REST: ``/api/health``, ``/api/clients``, ``/api/rounds``, ``/api/evaluation`` (per cluster, the federated
-evaluation round by round), ``/api/clusters/<k>/model.onnx`` (a plaintext federation's cluster model as an
-ONNX inference graph; 409 under HE, where only devices hold it); Prometheus text at ``/metrics``; a small
-dashboard at ``/``. No globals: everything lives on the application under typed ``web.AppKey``s.
+REST (described by ``openapi.json``, served at ``/api/openapi.json``): ``/api/health``, ``/api/clients``,
+``/api/rounds``, ``/api/evaluation`` (per cluster, the federated evaluation round by round), ``/api/clusters``
+(members and the clustering decision, :mod:`.rest`), ``/api/clusters/<k>/model.onnx`` (a plaintext
+federation's cluster model as an ONNX inference graph; 409 under HE, where only devices hold it); Prometheus
+text at ``/metrics``; the live dashboard at ``/`` (:mod:`.rest`, files in ``dashboard/``). No globals:
+everything lives on the application under typed ``web.AppKey``s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import html
 import json
 import logging
 import multiprocessing
@@ -41,9 +42,10 @@ from fedsdk.model.export import write_onnx
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
-from fedsdk_coordinator.evaluation import by_cluster, describe_evaluation
+from fedsdk_coordinator.evaluation import by_cluster
 from fedsdk_coordinator.metrics import FederationCollector
 from fedsdk_coordinator.models.source import ModelSource, load_model
+from fedsdk_coordinator.rest import add_routes
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 
@@ -281,9 +283,24 @@ async def _evaluation(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = engine.health()
+    # ``round`` counts rounds completed by every cluster; the round in progress (a cluster may be done
+    # with it while another still trains) and the phase say where the federation is now.
+    body["rounds_planned"] = engine.config.rounds
+    body["current_round"] = max([r.round_id for r in engine.open_rounds.values()], default=0)
+    body["current_round"] = max(body["current_round"], engine.completed_round)
+    body["phase"] = _phase(engine)
     body["transport"] = request.app[TRANSPORT].stats
     body["rejected_frames"] = request.app[TRANSPORT].frame_rejections
     return web.json_response(body)
+
+
+def _phase(engine: RoundEngine) -> str:
+    """``sketch`` (the sketch round is open), ``training`` (a round is open), or the engine's state."""
+    if engine.state != "running":
+        return engine.state
+    if engine.sketch_round is not None or (engine.clustered and engine.clustering is None):
+        return "sketch"
+    return "training"
 
 
 async def _clients(request: web.Request) -> web.Response:
@@ -291,9 +308,17 @@ async def _clients(request: web.Request) -> web.Response:
 
 
 async def _rounds(request: web.Request) -> web.Response:
+    """Every round record with its devices' results; ``?since=N``: only rounds N and later (the dashboard
+    asks for what it does not hold yet)."""
+    try:
+        since = int(request.query.get("since", "0"))
+    except ValueError:
+        raise web.HTTPBadRequest(text="since is a round number") from None
     store = request.app[STORE]
     out = []
     for r in store.rounds():
+        if r.round_id < since:
+            continue
         d = asdict(r)
         d["results"] = store.results(r.round_id, r.cluster_id)
         out.append(d)
@@ -306,31 +331,6 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _dashboard(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    h = request.app[ENGINE].health()
-    rows = "".join(
-        f"<tr><td>{r.round_id}</td><td>{r.cluster_id}</td><td>{html.escape(r.state)}</td><td>{r.num_clients}</td>"
-        f"<td>{html.escape(describe_evaluation(r.metrics))}</td>"
-        f"<td>{r.metrics.get('round_s', 0.0):.2f}</td></tr>"
-        for r in store.rounds()
-    )
-    clients = "".join(
-        f"<tr><td>{html.escape(c.client_id)}</td><td>{c.num_samples}</td>"
-        f"<td>{'yes' if c.online else 'no'}</td><td>{html.escape(str(c.facts.get('refused', '')))}</td></tr>"
-        for c in store.clients()
-    )
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>fedsdk coordinator</title>
-<meta http-equiv="refresh" content="5">
-<style>body{{font-family:sans-serif}}td,th{{padding:2px 8px}}</style></head>
-<body><h1>fedsdk coordinator</h1><p>state <b>{html.escape(h["state"])}</b>, round {h["round"]},
-{h["online"]} devices online</p>
-<h2>Rounds</h2><table><tr><th>round</th><th>cluster</th><th>state</th><th>devices</th><th>evaluation</th>
-<th>seconds</th></tr>{rows}</table>
-<h2>Devices</h2><table><tr><th>id</th><th>samples</th><th>online</th><th>refused</th></tr>{clients}</table></body></html>"""
-    return web.Response(text=page, content_type="text/html")
-
-
 def create_app(config: CoordinatorConfig) -> web.Application:
     """Build the coordinator application (tests build it from the same factory)."""
     if config.broker_url is None and config.embedded is None:
@@ -340,11 +340,11 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     app.cleanup_ctx.append(_store_ctx)
     app.cleanup_ctx.append(_broker_ctx)
     app.cleanup_ctx.append(_mqtt_and_rounds_ctx)
-    app.router.add_get("/", _dashboard)
     app.router.add_get("/api/health", _health)
     app.router.add_get("/api/clients", _clients)
     app.router.add_get("/api/rounds", _rounds)
     app.router.add_get("/api/evaluation", _evaluation)
     app.router.add_get("/api/clusters/{cluster}/model.onnx", _cluster_model)
     app.router.add_get("/metrics", _metrics)
+    add_routes(app, engine=lambda a: a[ENGINE], store=lambda a: a[STORE])  # /api/clusters, the dashboard
     return app

@@ -75,6 +75,10 @@ ENDPOINTS = {
     "/api/clients",
     "/api/rounds",
     "/api/evaluation",
+    "/api/clusters",
+    "/api/openapi.json",
+    "/dashboard.js",
+    "/dashboard.css",
     "/metrics",
     *CLUSTER_MODELS,
 }

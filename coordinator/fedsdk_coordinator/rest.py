@@ -1,0 +1,189 @@
+"""The REST endpoints beside the round data, and the dashboard's files.
+
+* ``/api/clusters``: the clusters, their members, and the clustering decision (why this many clusters, the
+  silhouette, and for a split refused as too weak the best split's silhouette, recomputed from the sketches
+  the engine kept, once, off the event loop);
+* ``/api/openapi.json``: the OpenAPI 3 description of the whole REST API (``openapi.json`` in this package);
+* ``/``, ``/dashboard.js``, ``/dashboard.css``: the live dashboard (``dashboard/`` in this package: static
+  files, no build step, no network but this coordinator's REST API).
+
+The handlers read the engine and the store; they change nothing. :func:`add_routes` registers them on the
+coordinator's application (:func:`fedsdk_coordinator.app.create_app`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from functools import partial
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from fedsdk_coordinator.clustering import MIN_SILHOUETTE, Clustering, cluster_sketches
+from fedsdk_coordinator.evaluation import METRICS
+from fedsdk_coordinator.rounds import RoundEngine
+from fedsdk_coordinator.store import Store
+
+__all__ = ["add_routes", "clusters_view", "openapi_document"]
+
+# Why a clustered federation has one cluster (``Clustering.fallback``), in words.
+FALLBACKS = {
+    "too_few": "one or two devices: too few to judge whether their distance is large",
+    "no_structure": "every pair of sketches is equally far apart",
+    "weak_structure": "the best split's silhouette is below the threshold: no substantial structure",
+    "not_converged": "affinity propagation did not converge",
+}
+ASSETS = {  # served path -> (file in dashboard/, content type)
+    "/": ("index.html", "text/html"),
+    "/dashboard.js": ("dashboard.js", "text/javascript"),
+    "/dashboard.css": ("dashboard.css", "text/css"),
+}
+# The best split refused as too weak: [the clustering it was computed for, the split] (computed once per
+# clustering, on the first request after it).
+BEST_SPLIT = web.AppKey("best_split", list)
+
+
+def _package_text(*parts: str) -> str:
+    return resources.files("fedsdk_coordinator").joinpath(*parts).read_text(encoding="utf-8")
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3 description of the coordinator's REST API, as shipped in the package."""
+    doc: dict[str, Any] = json.loads(_package_text("openapi.json"))
+    return doc
+
+
+def _reason(engine: RoundEngine, c: Clustering | None) -> tuple[str, str]:
+    """The decision's status and why, in words."""
+    if not engine.clustered:
+        return "not_clustered", f"the {engine.strategy.name} strategy does not cluster: one federation"
+    if c is None:
+        if engine.sketch_round is not None:
+            return "pending", "the sketch round is collecting the devices' sensitivity sketches"
+        return "pending", "no clustering yet: it follows the sketch round"
+    if c.fallback is not None:
+        return "decided", f"one cluster: {FALLBACKS.get(c.fallback, c.fallback)}"
+    sil = "n/a" if c.silhouette is None else f"{c.silhouette:.3f}"
+    return "decided", f"affinity propagation: {c.n_clusters} clusters, silhouette {sil}"
+
+
+def clusters_view(engine: RoundEngine, store: Store, best_split: dict[str, Any] | None) -> dict[str, Any]:
+    """The body of ``/api/clusters`` (see openapi.json, ``Clusters``)."""
+    c = engine.clustering
+    status, reason = _reason(engine, c)
+    clients = [r for r in store.clients() if r.client_id not in engine.refused and "refused" not in r.facts]
+    if engine.clustered:
+        assigned = dict(engine.clusters)
+    else:
+        assigned = {r.client_id: 0 for r in clients}
+    rounds = store.rounds()
+    first_round = [r.started for r in rounds if r.round_id == 1]
+    members: dict[int, list[str]] = {k: [] for k in ({0} if c is None else set(c.exemplars))}
+    for cid, k in sorted(assigned.items()):
+        members.setdefault(k, []).append(cid)
+    latest: dict[int, dict[str, Any]] = {}
+    for r in rounds:
+        if r.state == "done":
+            latest[r.cluster_id] = {"round": r.round_id, **_metric(r.metrics)}
+    clusters = [
+        {
+            "cluster_id": k,
+            "members": ids,
+            "exemplar": None if c is None else c.exemplars.get(k),
+            "online": sum(1 for i in ids if i in engine.online),
+            "latest": latest.get(k),
+        }
+        for k, ids in sorted(members.items())
+        if ids or c is not None
+    ]
+    decision = {
+        "status": status,
+        "reason": reason,
+        "fallback": None if c is None else c.fallback,
+        "n_clusters": None if c is None else c.n_clusters,
+        "silhouette": None if c is None else c.silhouette,
+        "min_silhouette": MIN_SILHOUETTE,
+        "converged": None if c is None else c.converged,
+        "devices": 0 if c is None else len(c.labels),
+        "best_split": best_split,
+        # the first training round is planned as soon as the clustering is decided
+        "decided_at": min(first_round) if c is not None and first_round else None,
+    }
+    return {"clustered": bool(engine.clustered), "decision": decision, "clusters": clusters}
+
+
+def _metric(metrics: Any) -> dict[str, Any]:
+    """The federated metric of a finished round: name and value (``device_<metric>``), or nothing."""
+    for name in METRICS:
+        if f"device_{name}" in metrics:
+            return {"metric": name, "value": float(metrics[f"device_{name}"])}
+    return {}
+
+
+def _best_split(sketches: dict[str, Any], seed: int) -> dict[str, Any] | None:
+    """The split affinity propagation found before the silhouette threshold refused it."""
+    split = cluster_sketches(sketches, seed=seed, min_silhouette=None)
+    if split.silhouette is None:
+        return None
+    return {"n_clusters": split.n_clusters, "silhouette": split.silhouette}
+
+
+async def best_split(app: web.Application, engine: RoundEngine) -> dict[str, Any] | None:
+    """For a split refused as too weak: the refused split (clusters, silhouette), when the engine still holds
+    every clustered device's sketch (not after a restart). Computed once per clustering, in a thread."""
+    c = engine.clustering
+    if c is None or c.fallback != "weak_structure":
+        return None
+    cache: list[Any] = app[BEST_SPLIT]
+    if not cache or cache[0] is not c:
+        sketches = {cid: engine.sketches[cid] for cid in c.labels if cid in engine.sketches}
+        split = None
+        if len(sketches) == len(c.labels):
+            loop = asyncio.get_running_loop()
+            split = await loop.run_in_executor(None, partial(_best_split, sketches, engine.config.seed))
+        cache[:] = [c, split]
+    split_: dict[str, Any] | None = cache[1]
+    return split_
+
+
+def add_routes(
+    app: web.Application,
+    engine: Callable[[web.Application], RoundEngine],
+    store: Callable[[web.Application], Store],
+) -> None:
+    """Register ``/api/clusters``, ``/api/openapi.json`` and the dashboard's files; ``engine(app)`` and
+    ``store(app)`` give the running engine and store."""
+    app[BEST_SPLIT] = []
+
+    async def clusters(request: web.Request) -> web.Response:
+        e = engine(request.app)
+        split = await best_split(request.app, e)
+        return web.json_response(clusters_view(e, store(request.app), split))
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+    def asset(name: str, content_type: str) -> Callable[[web.Request], Any]:
+        text = _package_text("dashboard", name)
+
+        async def serve(request: web.Request) -> web.Response:
+            # The dashboard draws from the REST API on this origin only and never runs inline script.
+            return web.Response(
+                text=text,
+                content_type=content_type,
+                headers={
+                    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
+                    "Cache-Control": "no-cache",
+                    "X-Content-Type-Options": "nosniff",
+                },
+            )
+
+        return serve
+
+    for path, (name, content_type) in ASSETS.items():
+        app.router.add_get(path, asset(name, content_type))
+    app.router.add_get("/api/clusters", clusters)
+    app.router.add_get("/api/openapi.json", openapi)

@@ -1,0 +1,166 @@
+"""The dashboard in a real browser during a real federation: headless Chromium (Selenium, Debian's
+chromedriver) on the coordinator application, with mosquitto and three FedClients of the ``fedsdk`` strategy
+(sketch round, clustering, every update encrypted; 1024-bit keys to keep it short).
+
+The page is loaded once, before any device joins, and never reloaded (a marker set on its ``window`` must
+survive): what it shows later came from its own polling. Asserted on the page: a malformed frame published
+on a device's upstream topic appears among the rejected messages; a device refusing with a reason that is
+HTML shows that reason as text (no element made from it, no script run); rounds appear in the header and as
+points of each cluster's plot; a device row shows its cluster and its budget; at the end the state is
+``finished``, every round is a point, devices show as gone, and the browser's console holds no error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from brokers import require_mosquitto, start_mosquitto
+from engines import digit_devices
+from fedsdk.crypto import generate_backend
+from fedsdk.hekeys import save_he
+from fedsdk.model.data import load_digits, partition_iid
+from fedsdk.protocol import DATA_MISMATCH, Error, encode
+from fedsdk.protocol import topics as T
+from fedsdk.transport import MqttTransport
+from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
+from fedsdk_coordinator.app import ENGINE
+from webui import raw_publish, require_chromium, start_chromium
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(90)]
+
+ROUNDS = 3
+XSS = '<img src="x" onerror="window.__xss = 1">'
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_browser_and_broker() -> None:
+    require_mosquitto()
+    require_chromium()
+
+
+class Page:
+    """The browser's one page; every WebDriver call runs in a thread, so the coordinator keeps serving."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+
+    async def run(self, script: str) -> Any:
+        return await asyncio.to_thread(self.driver.execute_script, script)
+
+    async def text(self, selector: str) -> str | None:
+        got: str | None = await self.run(
+            f"const n = document.querySelector({selector!r}); return n === null ? null : n.textContent;"
+        )
+        return got
+
+    async def count(self, selector: str) -> int:
+        n: int = await self.run(f"return document.querySelectorAll({selector!r}).length;")
+        return n
+
+    async def until(self, what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+        """Poll ``check`` (a coroutine function) until it returns something truthy."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await check()
+            if got:
+                return got
+            if time.monotonic() > deadline:
+                body = await self.run("return document.body.innerText;")
+                raise AssertionError(f"the page never showed {what}; it shows:\n{body}")
+            await asyncio.sleep(0.1)
+
+
+async def test_the_dashboard_follows_a_federation_live(tmp_path: Path) -> None:
+    with generate_backend("packed", key_bits=1024) as full:
+        public = save_he(tmp_path / "he-public", full, include_secret=False)
+        device_keys = save_he(tmp_path / "he-device", full, include_secret=True)
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, 3, seed=0)
+    fed = f"ui{secrets.token_hex(3)}"
+    rounds = RoundConfig(
+        federation=fed, rounds=ROUNDS, min_clients=2, start_clients=3, strategy="fedsdk", farewell_s=3.0
+    )
+    with start_mosquitto(tmp_path / "mosq") as broker:
+        config = CoordinatorConfig(
+            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
+            he_dir=public,
+        )  # fmt: skip
+        async with TestClient(TestServer(create_app(config))) as http:
+            engine = http.app[ENGINE]
+            driver = await asyncio.to_thread(start_chromium, tmp_path / "chromium-profile")
+            page = Page(driver)
+            try:
+                await asyncio.to_thread(driver.get, str(http.make_url("/")))
+                await page.until(
+                    "the federation waiting", lambda: _is(page.text("#state"), "waiting for devices")
+                )
+                await page.run("window.__loaded_once = true;")
+                assert await page.count("#clusters circle.point") == 0
+
+                # a frame that is no fedsdk message, and a refusal whose reason is HTML
+                frame = b"not a fedsdk frame: forty-two bytes and more of plain text"
+                await raw_publish(broker.host, broker.port, T.up(fed, "d9", T.HELLO), frame)
+                await page.until(
+                    "the rejected frame", lambda: page.count('#rejected tr[data-code="bad_magic"]')
+                )
+                assert await page.text('#rejected tr[data-code="bad_magic"] td.num') == "1"
+                evil = MqttTransport.from_url(broker.url, client_id="evil", insecure=True)
+                async with evil:
+                    refusal = Error(client_id="evil", round_id=0, code=DATA_MISMATCH, reason=XSS)
+                    await evil.publish(T.up(fed, "evil", T.ERROR), encode(refusal))
+                await page.until("the refused device", lambda: page.count('#devices tr[data-device="evil"]'))
+                assert XSS in (await page.text('#devices tr[data-device="evil"]') or "")
+                assert await page.count("#devices img") == 0
+
+                clients = digit_devices(
+                    broker, engine, digits, part, he_dir=device_keys, eval_data=(digits.x_test, digits.y_test)
+                )
+                async with contextlib.AsyncExitStack() as stack:
+                    for c in clients:
+                        await stack.enter_async_context(c)
+                    run = asyncio.gather(*(c.run() for c in clients))
+                    # while the federation runs: a round and a point of the plot appear, with no reload
+                    await page.until("a point of the plot", lambda: page.count("#clusters circle.point"))
+                    row = '#devices tr[data-device="d0"]'
+                    await page.until(
+                        "d0's budget", lambda: _is(page.text(f'{row} td[data-field="budget"]'), "1.00")
+                    )
+                    assert await page.text(f'{row} td[data-field="cluster"]') == "0"
+                    summaries = await asyncio.wait_for(run, 60)
+                assert all(s.state == "finished" for s in summaries), summaries
+                await page.until("the end", lambda: _is(page.text("#state"), "finished"))
+                points = await page.until(
+                    "every round", lambda: _at_least(page.count("#clusters circle.point"), ROUNDS)
+                )
+                assert points == ROUNDS  # the devices' data is IID: one cluster
+                assert await page.text("#round-now") == f"{ROUNDS} of {ROUNDS}"
+                await page.until(
+                    "d0 gone", lambda: _is(page.text(f"{row} td:nth-child(3)"), "left", prefix=True)
+                )
+                assert "accuracy" in (await page.text("#clusters .card svg.plot text.title") or "")
+                assert await page.count("#clusters svg.bars rect") >= ROUNDS
+                assert (await page.text("#decision") or "").startswith("statusdecided")
+                assert await page.run("return window.__loaded_once === true && window.__xss === undefined;")
+                errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+                assert not errors, errors
+            finally:
+                await asyncio.to_thread(driver.quit)
+
+
+async def _is(text: Any, want: str, *, prefix: bool = False) -> bool:
+    got = await text
+    return got is not None and (got.startswith(want) if prefix else got == want)
+
+
+async def _at_least(count: Any, n: int) -> int:
+    got: int = await count
+    return got if got >= n else 0
