@@ -42,6 +42,7 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
     quorum = min(c.min_clients, len(rnd.participants))
     valid = await _collect(e, rnd, quorum)
     base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
+    base["declined"] = len(rnd.declined)  # devices whose run conditions did not hold (not failures)
     if len(valid) < quorum:
         log.error(
             "round %d cluster %d failed: %d valid updates, quorum %d",

@@ -31,6 +31,7 @@ from fedsdk.client.apply import Aggregates, ApplySteps, Decryption
 from fedsdk.client.link import Link
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.client.work import Tasks, TaskSteps, Work
+from fedsdk.conditions import RunConditions
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportError
@@ -51,6 +52,9 @@ class FedClient:
     """One device's membership in a federation. Owns its MQTT transport, through its link.
 
     States: ``unopened`` -> ``open`` (inside ``async with``) -> ``closed``; any other use raises StateError.
+
+    ``conditions`` (:class:`~fedsdk.conditions.RunConditions`): when the device takes part in a round; a task
+    that arrives while one does not hold is declined (``work.py``).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class FedClient:
         probe_bytes: int = 256 * 1024,
         self_audit: bool = False,
         self_audit_db: float = DEFAULT_THRESHOLD_DB,
+        conditions: RunConditions | None = None,
     ) -> None:
         T.validate_config_id(client_id, "client id")
         T.validate_config_id(federation, "federation")
@@ -92,7 +97,7 @@ class FedClient:
         self._link = Link(
             self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
         )
-        self._tasks = Tasks(self._device, self._link, self._work)
+        self._tasks = Tasks(self._device, self._link, self._work, conditions)
         self._decryption = Decryption(self._device)
         self._aggregates = Aggregates(self._device, self._decryption)
 
