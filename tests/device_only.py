@@ -3,17 +3,19 @@ the device's dependencies (numpy, onnxruntime, phe, paho-mqtt, psutil, cryptogra
 Raspberry Pi install) plus the test tools; ``scripts/test_pythons.sh`` makes such environments for each
 Python it finds and runs ``tests/sdk`` in them.
 
-The subset is what can run there: a test (or a test module, at collection) that stops on importing one of
-:data:`NOT_ON_A_DEVICE` (the coordinator's, the benchmarks' and the optional extras' packages: building a
-model graph needs ``onnx``, the CKKS backend ``tenseal``...) is reported as skipped, naming the package. Any
-other failure, a missing *device* dependency included, stays a failure. The mode refuses to start when one
-of those packages is importable: the environment would not be a device's.
+The subset is what can run there: a test (or a test module, at collection) that fails because one of
+:data:`NOT_ON_A_DEVICE` is missing (the coordinator's, the benchmarks' and the optional extras' packages:
+building a model graph needs ``onnx``, the CKKS backend ``tenseal``...; also in a subprocess's traceback),
+or because fedsdk said an extra is needed (``pip install 'fedsdk[fast]'``), is reported as skipped, naming
+what it needs. Any other failure, a missing *device* dependency included, stays a failure. The mode refuses
+to start when one of those packages is importable: the environment would not be a device's.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Generator
 from typing import Any
 
@@ -25,19 +27,24 @@ NOT_ON_A_DEVICE = (
 )  # fmt: skip
 
 
+EXTRAS = ("coordinator", "ckks", "fast", "attacks", "plots")
+MISSING = re.compile(r"No module named \\?'(\w+)")  # a traceback's text, or its repr inside another message
+
+
 def device_only() -> bool:
     return os.environ.get("FEDSDK_DEVICE_ONLY", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _missing_package(excinfo: Any) -> str | None:
-    """The non-device package whose absence raised ``excinfo`` (anywhere in its chain of causes)."""
-    exc = getattr(excinfo, "value", None)
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").partition(".")[0] in NOT_ON_A_DEVICE:
-            return (exc.name or "").partition(".")[0]
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
+def _needs(text: str) -> str | None:
+    """What a failure's text says is missing that a device does not install: a non-device package
+    (``No module named 'onnx'``, also from a subprocess's traceback) or an extra (``pip install
+    'fedsdk[ckks]'``, the message fedsdk raises when an optional part is asked for)."""
+    for name in MISSING.findall(text):
+        if name in NOT_ON_A_DEVICE:
+            return str(name)
+    for extra in EXTRAS:
+        if f"pip install 'fedsdk[{extra}]'" in text:
+            return f"fedsdk[{extra}]"
     return None
 
 
@@ -52,11 +59,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
-    if not device_only() or call.excinfo is None:
+    report = outcome.get_result()
+    if not device_only() or not report.failed:
         return
-    package = _missing_package(call.excinfo)
+    package = _needs(str(report.longrepr))
     if package is not None:
-        report = outcome.get_result()
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, f"not a device test: needs {package}")
 
@@ -68,8 +75,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
         return
     report = outcome.get_result()
     if report.failed and isinstance(collector, pytest.Module):
-        text = str(report.longrepr)
-        package = next((m for m in NOT_ON_A_DEVICE if f"No module named '{m}" in text), None)
+        package = _needs(str(report.longrepr))
         if package is not None:
             report.outcome = "skipped"
             report.longrepr = (str(collector.path), 0, f"not a device test module: needs {package}")

@@ -6,7 +6,9 @@ the task with an ``Error`` whose code is ``declined_<condition>`` (``declined_ch
 ``declined_battery``, ``declined_temperature``, ``declined_unmetered``) and a reason with the reading. The
 coordinator counts it as a decline, not a failure, and does not wait for the device; the device stays in
 the federation and takes part in the next round whose conditions hold (``docs/operations.md``, "Run
-conditions").
+conditions"). After a decline the device checks again every ``recheck_s`` seconds and says hello once its
+conditions hold: a round that failed for want of its update then runs again (the coordinator re-runs a
+failed round when a device joins or comes back).
 
 Readings come from readers, each over one interface, each with its root directory or command configurable
 (tests point them at files they write). A reader never raises: what it cannot read it reports as unknown
@@ -407,12 +409,17 @@ class RunConditions:
     max_temp: float | None = None
     only_unmetered: bool = False
     readers: tuple[Reader, ...] = field(default_factory=default_readers)
+    recheck_s: float = (
+        60.0  # after a decline, how often the device checks again (to say hello once they hold)
+    )
 
     def __post_init__(self) -> None:
         if self.min_battery is not None and not 0 <= self.min_battery <= 100:
             raise ConfigError(f"--min-battery is a percentage, 0 to 100, not {self.min_battery}")
         if self.max_temp is not None and not (math.isfinite(self.max_temp) and -40 < self.max_temp < 150):
             raise ConfigError(f"--max-temp is in degrees Celsius, -40 to 150, not {self.max_temp}")
+        if not (math.isfinite(self.recheck_s) and self.recheck_s > 0):
+            raise ConfigError(f"recheck_s must be a positive number of seconds, not {self.recheck_s}")
 
     @property
     def active(self) -> bool:

@@ -10,6 +10,12 @@ from a folder the test writes (``BAT0`` discharging, ``AC`` offline).
 
 The two other devices take a second to train (their fit waits first), so the folder changes while round 1
 still collects their updates: the device's check of round 2 sees the new folder, whatever the scheduling.
+
+With two devices and a quorum of two, the decline leaves round 1 short of its quorum: the round fails at
+once (the status says one device declined) and waits for a device to come back. The device on battery
+checks its conditions again after a decline (``recheck_s``), says hello once the folder says charging, and
+round 1 runs again with both devices; the declines stay counted though the failed attempt's results are
+replaced.
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def on_battery_conditions(power: Path, **options: Any) -> RunConditions:
+    return RunConditions(only_charging=True, readers=(SysfsPower(power),), **options)
+
+
 async def test_a_device_on_battery_declines_and_takes_part_once_charging(
     tmp_path: Path, broker: MosquittoProcess
 ) -> None:
@@ -70,7 +80,7 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
     part = partition_iid(digits.y_train, 3, seed=0)
     shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
     power = power_supply(tmp_path / "power_supply", charging=False)
-    assert not RunConditions(only_charging=True, readers=(SysfsPower(power),)).check().holds
+    assert not on_battery_conditions(power).check().holds
     rounds = RoundConfig(
         federation="runcond", rounds=2, min_clients=2, start_clients=3, deadline_s=DEADLINE_S, seed=1,
         farewell_s=5.0,
@@ -80,9 +90,8 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
     )
     async with TestClient(TestServer(create_app(config))) as http:
         engine = http.app[ENGINE]
-        conditions = RunConditions(only_charging=True, readers=(SysfsPower(power),))
         devices = [device(broker, engine, f"d{i}", shards[i]) for i in range(2)]
-        devices.append(device(broker, engine, "d2", shards[2], conditions=conditions))
+        devices.append(device(broker, engine, "d2", shards[2], conditions=on_battery_conditions(power)))
         for d in devices[:2]:
             fit = d._fit
 
@@ -120,4 +129,49 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
     # A decline is counted apart, never as a failure.
     assert clients["d2"]["declines"] == {DECLINED_CHARGING: 1}
     assert clients["d0"]["declines"] == {} and clients["d1"]["declines"] == {}
+    assert health["device_declines"] == {DECLINED_CHARGING: 1} and health["device_failures"] == {}
+
+
+async def test_a_round_short_of_its_quorum_runs_again_when_the_device_is_charging(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, 2, seed=0)
+    power = power_supply(tmp_path / "power_supply", charging=False)
+    rounds = RoundConfig(
+        federation="runcond2", rounds=1, min_clients=2, start_clients=2, deadline_s=DEADLINE_S, seed=1,
+        farewell_s=5.0,
+    )  # fmt: skip
+    config = CoordinatorConfig(
+        rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True
+    )
+    async with TestClient(TestServer(create_app(config))) as http:
+        engine = http.app[ENGINE]
+        conditions = on_battery_conditions(power, recheck_s=0.3)
+        devices = [
+            device(broker, engine, "d0", (digits.x_train[part.indices[0]], digits.y_train[part.indices[0]])),
+            device(
+                broker, engine, "d1", (digits.x_train[part.indices[1]], digits.y_train[part.indices[1]]),
+                conditions=conditions,
+            ),
+        ]  # fmt: skip
+        async with devices[0], devices[1]:
+            t0 = time.monotonic()
+            runs = asyncio.gather(*(d.run(timeout=90) for d in devices))
+            await until(lambda: engine.detail.startswith("round 1 failed"), "round 1 to fail", 60)
+            assert "1 declined (d1)" in engine.detail and "device errors" not in engine.detail, engine.detail
+            await asyncio.sleep(1.0)  # it rechecks meanwhile, still on battery: no hello, no new attempt
+            assert engine.detail.startswith("round 1 failed")
+            power_supply(power, charging=True)
+            summaries = await asyncio.wait_for(runs, 100)
+            took = time.monotonic() - t0
+        clients = {c["client_id"]: c for c in await (await http.get("/api/clients")).json()}
+        health = await (await http.get("/api/health")).json()
+    assert engine.state == "finished" and engine.completed_round == 1, engine.detail
+    assert took < DEADLINE_S / 2, took  # no deadline was waited out
+    assert summaries[1].declined == {DECLINED_CHARGING: 1} and [r.round_id for r in summaries[1].rounds] == [
+        1
+    ]
+    assert summaries[0].applied_rounds == summaries[1].applied_rounds == [1]
+    assert clients["d1"]["declines"] == {DECLINED_CHARGING: 1}
     assert health["device_declines"] == {DECLINED_CHARGING: 1} and health["device_failures"] == {}

@@ -1,7 +1,7 @@
 """The devices' tables: ``clients`` (who said hello, with what data and facts), ``assignments`` (client ->
 cluster), ``holders`` (under HE, the devices that keep their cluster's model) and the clustering itself
-(JSON under the meta key ``clustering``). A client's ``declines`` are counted from its ``results`` rows whose
-status is a decline code (``declined_<condition>``: one row per round it declined)."""
+(JSON under the meta key ``clustering``). A client's ``declines`` (tasks it declined, by code) are counted
+in the ``declines`` table when its reply is saved (:meth:`RoundTables.save_reply`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsdk.protocol.messages import DECLINED_PREFIX
 from fedsdk_coordinator.store.base import StoreBase
 from fedsdk_coordinator.store.records import ClientRecord
 
@@ -65,12 +64,8 @@ class DeviceTables(StoreBase):
             "FROM clients ORDER BY client_id"
         ).fetchall()
         declines: dict[str, dict[str, int]] = {}
-        for cid, status, n in self.db.execute(
-            "SELECT client_id, status, COUNT(*) FROM results WHERE status LIKE ? ESCAPE '!' "
-            "GROUP BY client_id, status",
-            (DECLINED_PREFIX.replace("_", "!_") + "%",),
-        ).fetchall():
-            declines.setdefault(str(cid), {})[str(status)] = int(n)
+        for cid, code, n in self.db.execute("SELECT client_id, code, count FROM declines ORDER BY code"):
+            declines.setdefault(str(cid), {})[str(code)] = int(n)
         return [
             ClientRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), json.loads(r[6]), declines.get(r[0], {}))
             for r in rows

@@ -195,6 +195,10 @@ class FedClient:
             self._link.watch(idle_timeout, final_wait), name=f"fedclient-watch-{self.client_id}"
         )
         loop_task = asyncio.create_task(self._loop(), name=f"fedclient-loop-{self.client_id}")
+        recheck = asyncio.create_task(
+            self._tasks.recheck_conditions(lambda: self._link.say_hello(self._publish)),
+            name=f"fedclient-conditions-{self.client_id}",
+        )
         try:
             done, _ = await asyncio.wait(
                 {loop_task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -208,9 +212,9 @@ class FedClient:
                 summary.state, summary.reason = "timeout", f"no end within {timeout} s"
         finally:
             applying = self._aggregates.applying
-            for t in (loop_task, rehello, watch, *applying):
+            for t in (loop_task, rehello, watch, recheck, *applying):
                 t.cancel()
-            await asyncio.gather(loop_task, rehello, watch, *applying, return_exceptions=True)
+            await asyncio.gather(loop_task, rehello, watch, recheck, *applying, return_exceptions=True)
         summary.rejected = self._device.rejected.as_dict()
         return summary
 

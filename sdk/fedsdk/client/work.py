@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -343,6 +343,7 @@ class Tasks:
         if self._conditions is not None:
             log.info("run conditions: %s", self._conditions.describe())
         self._unknown_warned: tuple[str, ...] = ()
+        self._since_decline = asyncio.Event()  # set by a decline, cleared once the conditions hold again
         self._last_task_round: int | None = None
         self._answer: _Answer | None = None
 
@@ -358,7 +359,9 @@ class Tasks:
             )  # fmt: skip
         self._unknown_warned = verdict.unknown
         if verdict.holds:
+            self._since_decline.clear()
             return False
+        self._since_decline.set()
         device, summary = self.device, self.device.summary
         summary.declined[verdict.code] = summary.declined.get(verdict.code, 0) + 1
         if phase == "train":
@@ -381,6 +384,28 @@ class Tasks:
         payload = encode(msg)
         self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
         return await self._link.send(kind, payload)
+
+    async def recheck_conditions(self, hello: Callable[[], Awaitable[None]]) -> None:
+        """After a decline, check the run conditions every ``recheck_s`` seconds and ``hello()`` once they
+        hold again: a round that failed for want of this device's update runs again when a device comes back.
+        Runs until cancelled (FedClient.run owns it)."""
+        if self._conditions is None:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._since_decline.wait()
+            await asyncio.sleep(self._conditions.recheck_s)
+            if not self._since_decline.is_set():
+                continue  # a task found them holding meanwhile
+            verdict = await loop.run_in_executor(None, self._conditions.check)
+            if not verdict.holds:
+                continue
+            try:
+                await hello()
+            except TransportError as exc:  # the link is down: its reconnect says hello anyway
+                log.warning("could not say hello after the run conditions came back: %s", exc)
+            self._since_decline.clear()
+            progress.info("run conditions hold again (%s): hello said", verdict.reading.describe())
 
     async def on_task(self, task: Task, steps: TaskSteps) -> None:
         device, link, summary = self.device, self._link, self.device.summary
