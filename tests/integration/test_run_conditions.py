@@ -6,7 +6,9 @@ from a folder the test writes (``BAT0`` discharging, ``AC`` offline).
   answered, far below its deadline; the decline is in ``/api/clients`` (``declines``), in the round's
   metrics and results (``/api/rounds``) and in ``/api/health``, and is no failure;
 * the folder then says charging (``AC`` online), and in round 2 the device takes part: it trains from the
-  model of round 1, whose aggregate it applied although it declined the round.
+  model of round 1, whose aggregate it applied although it declined the round; at the end the three
+  devices hold the same model, which under HE (the ``fedsdk`` strategy, where only the devices hold the
+  model) shows the device that declined did not fall behind.
 
 The two other devices take a second to train (their fit waits first), so the folder changes while round 1
 still collects their updates: the device's check of round 2 sees the new folder, whatever the scheduling.
@@ -32,6 +34,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from brokers import MosquittoProcess, require_mosquitto
 from engines import device
 from fedsdk.conditions import DECLINED_CHARGING, RunConditions, SysfsPower
+from fedsdk.crypto import generate_backend
+from fedsdk.hekeys import load_he, save_he
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import Task
 from fedsdk_coordinator import CoordinatorConfig, create_app
@@ -73,25 +77,40 @@ def on_battery_conditions(power: Path, **options: Any) -> RunConditions:
     return RunConditions(only_charging=True, readers=(SysfsPower(power),), **options)
 
 
+@pytest.mark.parametrize("strategy", ["plaintext", "fedsdk"])
 async def test_a_device_on_battery_declines_and_takes_part_once_charging(
-    tmp_path: Path, broker: MosquittoProcess
+    tmp_path: Path, broker: MosquittoProcess, strategy: str
 ) -> None:
+    he_dir = secret = None
+    if strategy == "fedsdk":  # under HE only the devices hold the model (1024-bit keys keep it short);
+        # not clustered: round 1 is the first round, as in plaintext
+        with generate_backend("packed", key_bits=1024) as full:
+            he_dir = save_he(tmp_path / "he-public", full, include_secret=False)
+            secret = save_he(tmp_path / "he-device", full, include_secret=True)
     digits = load_digits(shape="flat")
     part = partition_iid(digits.y_train, 3, seed=0)
     shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
     power = power_supply(tmp_path / "power_supply", charging=False)
     assert not on_battery_conditions(power).check().holds
     rounds = RoundConfig(
-        federation="runcond", rounds=2, min_clients=2, start_clients=3, deadline_s=DEADLINE_S, seed=1,
+        federation=f"runcond{strategy}", strategy=strategy, rounds=2, min_clients=2, start_clients=3,
+        deadline_s=DEADLINE_S, seed=1, clustering=False,
         farewell_s=5.0,
     )  # fmt: skip
     config = CoordinatorConfig(
-        rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True
-    )
+        rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
+        he_dir=he_dir,
+    )  # fmt: skip
     async with TestClient(TestServer(create_app(config))) as http:
         engine = http.app[ENGINE]
-        devices = [device(broker, engine, f"d{i}", shards[i]) for i in range(2)]
-        devices.append(device(broker, engine, "d2", shards[2], conditions=on_battery_conditions(power)))
+
+        def he() -> Any:
+            return load_he(secret) if secret is not None else None
+
+        devices = [device(broker, engine, f"d{i}", shards[i], he=he()) for i in range(2)]
+        devices.append(
+            device(broker, engine, "d2", shards[2], he=he(), conditions=on_battery_conditions(power))
+        )
         for d in devices[:2]:
             fit = d._fit
 
@@ -106,6 +125,7 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
             assert engine.completed_round == 0  # the other two still train
             power_supply(power, charging=True)
             summaries = await asyncio.wait_for(runs, 100)
+        models = [d.weights for d in devices]
         clients = {c["client_id"]: c for c in await (await http.get("/api/clients")).json()}
         rounds_done = {r["round_id"]: r for r in await (await http.get("/api/rounds")).json()}
         health = await (await http.get("/api/health")).json()
@@ -114,7 +134,16 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
     on_battery = summaries[2]
     assert on_battery.declined == {DECLINED_CHARGING: 1}
     assert [r.round_id for r in on_battery.rounds] == [2]  # trained in round 2 only
-    assert on_battery.applied_rounds == [1, 2]  # round 1's aggregate applied all the same
+    assert on_battery.applied_rounds == [1, 2], (
+        on_battery.rejected,
+        on_battery.reason,
+    )  # round 1's aggregate applied all the same
+    # ... so it trained round 2 from round 1's model and holds the federation's model: under HE a device that
+    # skipped round 1's aggregate would have sent an update against the initial model and hold another one.
+    for held in models[1:]:
+        assert held is not None and models[0] is not None
+        for a, b in zip(models[0], held, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     for s in summaries[:2]:
         assert s.declined == {} and [r.round_id for r in s.rounds] == [1, 2]
     # The round did not wait for the device that declined: it ended once the others had answered.

@@ -366,8 +366,11 @@ class Tasks:
         summary.declined[verdict.code] = summary.declined.get(verdict.code, 0) + 1
         if phase == "train":
             await self._link.follow_cluster(task.cluster_id)
-            try:  # the round's aggregate is applied all the same, from the model this task starts from
+            try:  # the round's aggregate is applied all the same, from the model this task starts from, and
+                # the model is built now: a later task (under HE, to a device that holds the model) may not
+                # carry what building it takes
                 device.pending[task.round_id] = Pending(task, self._work.base(task, phase))
+                self._work.model_for(task)
             except TrainingError as exc:
                 log.warning(
                     "round %d: declined without a model to apply its aggregate to: %s", task.round_id, exc
