@@ -263,3 +263,27 @@ def test_a_reader_that_raises_is_only_unknown() -> None:
             raise RuntimeError("a reader bug")
 
     assert read_all([Broken(), SysfsPower(Path("/nonexistent/power"))]) == Reading()
+
+
+# -- fedsdk join's flags -------------------------------------------------------------------------------
+def test_join_takes_the_four_flags_and_refuses_a_bad_value_before_connecting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import numpy as np
+
+    from fedsdk.cli import main
+    from fedsdk.model.data import save_npz
+
+    with pytest.raises(SystemExit):
+        main(["join", "--help"])
+    shown = capsys.readouterr().out
+    for flag in ("--only-charging", "--min-battery PCT", "--max-temp CELSIUS", "--only-unmetered"):
+        assert flag in shown, flag
+    data = tmp_path / "d.npz"
+    save_npz(data, np.zeros((4, 64), np.float32), np.arange(4) % 2)
+    # A closed port: a bad value must be refused before any connection is tried (exit 2, not 3).
+    base = ["join", "mqtt://127.0.0.1:9", "--insecure", "--data", str(data), "--only-charging"]
+    assert main([*base, "--min-battery", "150"]) == 2
+    assert "--min-battery is a percentage" in capsys.readouterr().err
+    assert main([*base, "--max-temp", "900"]) == 2
+    assert "--max-temp is in degrees Celsius" in capsys.readouterr().err
