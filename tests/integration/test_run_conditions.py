@@ -4,7 +4,7 @@ from a folder the test writes (``BAT0`` discharging, ``AC`` offline).
 
 * round 1: the device on battery declines; the round completes with the other two as soon as they
   answered, far below its deadline; the decline is in ``/api/clients`` (``declines``), in the round's
-  metrics and results (``/api/rounds``) and in ``/api/health``, and is no failure;
+  metrics and results (``/api/rounds``), in ``/api/health`` and ``/metrics``, and is no failure;
 * the folder then says charging (``AC`` online), and in round 2 the device takes part: it trains from the
   model of round 1, whose aggregate it applied although it declined the round; at the end the three
   devices hold the same model, which under HE (the ``fedsdk`` strategy, where only the devices hold the
@@ -41,6 +41,7 @@ from fedsdk.protocol import Task
 from fedsdk_coordinator import CoordinatorConfig, create_app
 from fedsdk_coordinator.app import ENGINE
 from fedsdk_coordinator.rounds import RoundConfig
+from promtext import samples
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -129,8 +130,10 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
         clients = {c["client_id"]: c for c in await (await http.get("/api/clients")).json()}
         rounds_done = {r["round_id"]: r for r in await (await http.get("/api/rounds")).json()}
         health = await (await http.get("/api/health")).json()
+        scrape = samples(await (await http.get("/metrics")).text())
 
     assert engine.state == "finished" and engine.completed_round == 2, engine.detail
+    assert scrape["fedsdk_device_declines_total", (("code", DECLINED_CHARGING),)] == 1
     on_battery = summaries[2]
     assert on_battery.declined == {DECLINED_CHARGING: 1}
     assert [r.round_id for r in on_battery.rounds] == [2]  # trained in round 2 only

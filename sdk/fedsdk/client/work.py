@@ -376,6 +376,7 @@ class Tasks:
                     "round %d: declined without a model to apply its aggregate to: %s", task.round_id, exc
                 )
         progress.info("round %d: declined (%s)", task.round_id, verdict.reason)
+        summary.reason = f"round {task.round_id}: declined: {verdict.reason}"  # what join prints at its end
         err = Error(
             client_id=device.client_id, round_id=task.round_id, code=verdict.code, reason=verdict.reason[:500]
         )
