@@ -11,12 +11,21 @@
 #
 # Environments are kept in $VENVS (default ${TMPDIR:-/tmp}/fedsdk-device-venvs) and reused; the package is
 # reinstalled from this checkout at each run.
+#
+# Then, with a coordinator environment ($COORDINATOR_PYTHON, default .venv/bin/python as scripts/test.sh
+# makes it, when it has aiohttp), tests/integration/test_device_only.py runs a protected federation whose
+# devices run on that Python (FEDSDK_DEVICE_PYTHON) while the coordinator runs in the other environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
 VENVS=${VENVS:-${TMPDIR:-/tmp}/fedsdk-device-venvs}
 if [ $# -eq 0 ]; then set -- tests/sdk; fi
+COORDINATOR_PYTHON=${COORDINATOR_PYTHON:-$ROOT/.venv/bin/python}
+if ! "$COORDINATOR_PYTHON" -c 'import aiohttp, sklearn, onnx' 2>/dev/null; then
+    echo "no coordinator environment at $COORDINATOR_PYTHON: the federation with devices on each Python is not run"
+    COORDINATOR_PYTHON=""
+fi
 if [ -z "${PYTHONS:-}" ]; then
     PYTHONS=$(ls "$PYENV_ROOT/versions" 2>/dev/null || true)
 fi
@@ -48,6 +57,19 @@ for version in $PYTHONS; do
         status=1
     fi
     line=$(grep -E '^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in [0-9.]+s' "$log" | tail -1 || true)
+    if [ -n "$COORDINATOR_PYTHON" ]; then
+        fed_log="$VENVS/py$version.federation.log"
+        if (cd "$ROOT" && FEDSDK_DEVICE_PYTHON="$venv/bin/python" \
+                PYTHONPATH="$ROOT/sdk:$ROOT/coordinator:$ROOT/benchmarks:$ROOT/tests" \
+                "$COORDINATOR_PYTHON" -m pytest -q -p no:cacheprovider tests/integration/test_device_only.py \
+                >"$fed_log" 2>&1); then
+            line="$line; federation with devices on $version: passed"
+        else
+            line="$line; federation with devices on $version: FAILED ($fed_log)"
+            result="FAILED"
+            status=1
+        fi
+    fi
     summary+=("Python $version: $result ($line); log: $log")
     echo "   $result: $line"
 done
