@@ -45,8 +45,8 @@ Decisions, for the readings that can be unknown:
   metered (mobile data); on Linux, metered when every physical interface that is up is a cellular one
   (``wwan*``, ``rmnet*``, ``ccmni*``, ``ppp*``, or of ARP type PPP/raw IP), unmetered when a wired or
   Wi-Fi one is up; virtual interfaces (no ``device`` link: bridges, VPNs, containers' veths) say nothing.
-  Unknown: ``--only-unmetered`` holds, with a warning (a metered Wi-Fi hotspot is not told apart from
-  another Wi-Fi either).
+  Unknown: ``--only-unmetered`` holds, with a warning. Not told apart: a metered Wi-Fi hotspot from another
+  Wi-Fi, and on Linux a phone's USB tethering (``usb0``, an Ethernet link) from a wired network.
 """
 
 from __future__ import annotations

@@ -147,6 +147,10 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
             state="done",
             num_clients=len(valid),
             total_samples=sum(int(getattr(u, "num_samples", 0)) for u in valid),
-            metrics={"resumed": 1, **{"budget_" + cid: b for cid, b in rnd.budgets.items()}},
+            metrics={
+                "resumed": 1,
+                "declined": len(rnd.declined),
+                **{"budget_" + cid: b for cid, b in rnd.budgets.items()},
+            },
         )
     return True

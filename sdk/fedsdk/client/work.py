@@ -331,7 +331,8 @@ class Work:
 
 class Tasks:
     """Takes the tasks addressed to this device, on the event loop: refuses stale ones, answers a repeated
-    one with the same bytes, runs the others' steps in the executor and sends the reply."""
+    one with the same bytes, declines one while a run condition does not hold, runs the others' steps in the
+    executor and sends the reply."""
 
     def __init__(
         self, device: DeviceState, link: Link, work: Work, conditions: RunConditions | None = None
