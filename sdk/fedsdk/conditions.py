@@ -129,7 +129,8 @@ class Reading:
         if self.battery is not False:
             power += ", " + {True: "charging", False: "on battery", None: "power unknown"}[self.charging]
         net = {True: "metered", False: "unmetered", None: "network unknown"}[self.metered]
-        return f"{power}; {show(self.celsius, '{:.1f} °C')}; {net}"
+        heat = "temperature unknown" if self.celsius is None else f"{self.celsius:.1f} °C"
+        return f"{power}; {heat}; {net}"
 
 
 class Reader(Protocol):
