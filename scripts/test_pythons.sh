@@ -30,6 +30,8 @@ if [ -z "${PYTHONS:-}" ]; then
     PYTHONS=$(ls "$PYENV_ROOT/versions" 2>/dev/null || true)
 fi
 mkdir -p "$VENVS"
+had_egg_info=0
+[ -d "$ROOT/fedsdk.egg-info" ] && had_egg_info=1  # an editable install's: left alone
 declare -a summary=()
 status=0
 for version in $PYTHONS; do
@@ -49,6 +51,7 @@ for version in $PYTHONS; do
         "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$ROOT"  # this checkout's code
     } >"$log.pip" 2>&1 || { echo "   pip failed: $log.pip" >&2; exit 1; }
     rm -rf "$ROOT/build"  # what the wheel build leaves in the checkout
+    [ "$had_egg_info" = 1 ] || rm -rf "$ROOT/fedsdk.egg-info"
     if (cd "$ROOT" && FEDSDK_DEVICE_ONLY=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
             --timeout 300 -rfs "$@" >"$log" 2>&1); then
         result="passed"
