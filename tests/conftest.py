@@ -31,6 +31,8 @@ import pytest
 from brokers import MosquittoProcess, find_mosquitto, start_mosquitto
 from fedsdk_coordinator.pki import DevPki, make_dev_pki
 
+pytest_plugins = ["device_only"]  # FEDSDK_DEVICE_ONLY=1: the device's test subset (tests/device_only.py)
+
 DEV_CLIENT_IDS = ("dev1", "dev2", "dev3")
 
 

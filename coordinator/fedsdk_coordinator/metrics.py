@@ -34,6 +34,11 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("fedsdk_rejected_frames_total", "counter", "frames the transport refused before reassembly, by code"),
     ("fedsdk_dropped_messages_total", "counter", "messages the transport dropped, by reason"),
     ("fedsdk_device_failures_total", "counter", "rounds a device answered with an error, by code"),
+    (
+        "fedsdk_device_declines_total",
+        "counter",
+        "tasks a device declined (a run condition did not hold), by code",
+    ),
     ("fedsdk_transport_bytes_total", "counter", "bytes the coordinator's MQTT link moved, by direction"),
     ("fedsdk_round_seconds", "histogram", "duration of finished cluster rounds, tasks out to reports in"),
     ("fedsdk_encrypted_ratio", "gauge", "mean share of each update sent encrypted, last round per cluster"),
@@ -95,6 +100,7 @@ class FederationCollector(Collector):
         for name, counts in (
             ("fedsdk_rejected_messages_total", h["rejected"]),
             ("fedsdk_device_failures_total", h["device_failures"]),
+            ("fedsdk_device_declines_total", h["device_declines"]),
         ):
             family = _counter(name, ("code",))
             for code, n in sorted(counts.items()):

@@ -358,6 +358,7 @@ class RoundEngine(FederationState):
             "silhouette": None if self.clustering is None else self.clustering.silhouette,
             "rejected": self.rejected.as_dict(),
             "device_failures": self.failures.as_dict(),
+            "device_declines": self.declines.as_dict(),
             "refused": dict(self.refused),
             "detail": self.detail,
             "late": self.late,

@@ -1,7 +1,10 @@
 """Device capability: the facts a device reports in its hello (DESIGN.md, "One round", step 1).
 
 The psutil facts (cores, frequency, memory, battery, temperature) are each optional: Android under Termux
-and containers hide some of them, and a missing fact is left out rather than guessed. HE throughput is
+and containers hide some of them (Android 10+ denies ``/proc/stat``, ``cpu_freq`` may be None, sensors are
+absent), and a fact that cannot be read is left out rather than guessed, and named in ``unknown``; no
+reading ever stops the device. A machine without a battery (a Raspberry Pi, a desktop) reports none, and
+that is not unknown; on Android a missing battery reading is. HE throughput is
 *measured* at join (:func:`calibrate_he`) and then refreshed by the coordinator from real round timings;
 uplink bandwidth is measured from real transfers (each round's upload time and size, reported by the
 device), not probed with synthetic traffic.
@@ -9,51 +12,72 @@ device), not probed with synthetic traffic.
 
 from __future__ import annotations
 
+import os
 import platform
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import psutil
 
+from fedsdk.conditions import on_android
+
 __all__ = ["calibrate_he", "compute_units", "device_facts"]
+
+_T = TypeVar("_T")
+
+
+def _ask(what: Callable[[], _T]) -> _T | None:
+    """One psutil reading, or None where the OS denies it or psutil cannot take it here: Android 10+
+    refuses ``/proc/stat`` (PermissionError), some kernels have no cpufreq, psutil lacks sensors on some
+    platforms (AttributeError, NotImplementedError), a container may hide ``/sys`` (OSError)."""
+    try:
+        return what()
+    except (OSError, NotImplementedError, AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def device_facts() -> dict[str, float | int | str]:
-    """What this device is: psutil and platform facts, every one optional."""
+    """What this device is: psutil and platform facts, every one optional. ``unknown`` lists, comma
+    separated, the facts this device could not read (empty when it read them all)."""
     facts: dict[str, float | int | str] = {
         "platform": platform.system().lower(),
         "machine": platform.machine(),
         "python": platform.python_version(),
     }
-    cores = psutil.cpu_count(logical=True)
+    unknown: list[str] = []
+    cores = _ask(lambda: psutil.cpu_count(logical=True)) or os.cpu_count()
     if cores:
         facts["cores"] = int(cores)
-    try:
-        freq = psutil.cpu_freq()
-    except (OSError, NotImplementedError, FileNotFoundError):
-        freq = None
-    if freq is not None and freq.max:
-        facts["cpu_mhz"] = float(freq.max)
-    elif freq is not None and freq.current:
-        facts["cpu_mhz"] = float(freq.current)
-    mem = psutil.virtual_memory()
-    facts["memory_mb"] = int(mem.total // 2**20)
-    facts["memory_available_mb"] = int(mem.available // 2**20)
-    sensors_battery = getattr(psutil, "sensors_battery", None)
-    try:
-        battery = sensors_battery() if sensors_battery else None
-    except (OSError, NotImplementedError):
-        battery = None
+    else:
+        unknown.append("cores")
+    freq = _ask(psutil.cpu_freq)
+    mhz = (freq.max or freq.current) if freq is not None else None
+    if mhz and mhz > 0:
+        facts["cpu_mhz"] = float(mhz)
+    else:
+        unknown.append("cpu_mhz")
+    mem = _ask(psutil.virtual_memory)
+    if mem is not None:
+        facts["memory_mb"] = int(mem.total // 2**20)
+        facts["memory_available_mb"] = int(mem.available // 2**20)
+    else:
+        unknown += ["memory_mb", "memory_available_mb"]
+    battery = _ask(psutil.sensors_battery)
     if battery is not None:
         facts["battery_percent"] = float(battery.percent)
-        facts["on_power"] = int(bool(battery.power_plugged))
-    sensors_temperatures = getattr(psutil, "sensors_temperatures", None)
-    try:
-        temps = sensors_temperatures() if sensors_temperatures else {}
-    except (OSError, NotImplementedError):
-        temps = {}
+        if battery.power_plugged is not None:
+            facts["on_power"] = int(bool(battery.power_plugged))
+        else:
+            unknown.append("on_power")
+    elif on_android():  # a phone has a battery: psutil just cannot see it (fedsdk.conditions)
+        unknown += ["battery_percent", "on_power"]
+    temps = _ask(psutil.sensors_temperatures) or {}
     readings = [t.current for entries in temps.values() for t in entries if t.current]
     if readings:
         facts["temperature_c"] = float(max(readings))
+    else:
+        unknown.append("temperature_c")
+    facts["unknown"] = ",".join(unknown)
     return facts
 
 

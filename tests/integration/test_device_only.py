@@ -7,25 +7,29 @@ turn (their ``Requires-Dist``, extras left out) are linked into one directory, w
 ``fedsdk`` package alone) is the whole import path of ``python -I -S``: no site-packages, no
 ``coordinator/`` or ``benchmarks/``, no gmpy2 (the pool then uses its process worker). That is what
 ``pip install numpy onnxruntime phe paho-mqtt psutil cryptography`` and a copy of ``sdk/`` give a Pi.
+
+With ``FEDSDK_DEVICE_PYTHON`` naming another interpreter (an environment with the device's dependencies,
+e.g. Python 3.10 or 3.13 with numpy 2), the devices run on it, from its own installed distributions
+(``tests/device_site.py``), while the coordinator runs here: ``scripts/test_pythons.sh`` does so for each
+Python it tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from packaging.requirements import Requirement
 
 from brokers import MosquittoProcess
+from device_site import build_site
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_iid, save_npz
@@ -35,7 +39,9 @@ from fedsdk_coordinator.app import ENGINE
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 SDK = Path(__file__).resolve().parents[2] / "sdk"
-DEVICE_DEPENDENCIES = ("numpy", "onnxruntime", "phe", "paho-mqtt", "psutil", "cryptography")
+# The devices' interpreter: this one, or another Python's environment with the device's dependencies
+# (FEDSDK_DEVICE_PYTHON; scripts/test_pythons.sh runs this test so for each Python it tests).
+DEVICE_PYTHON = os.environ.get("FEDSDK_DEVICE_PYTHON") or sys.executable
 # Top-level modules a device must not import: the other two packages of the distribution, and what only
 # they (or the optional extras) need.
 NOT_ON_A_DEVICE = (
@@ -61,40 +67,21 @@ sys.exit(main(sys.argv[4:]))
 """
 
 
-def requirement_closure(names: Iterable[str]) -> list[metadata.Distribution]:
-    """The installed distributions ``names`` need at run time: themselves and, recursively, their
-    requirements whose markers hold without an extra."""
-    todo, seen, out = list(names), set(), []
-    while todo:
-        dist = metadata.distribution(todo.pop())
-        key = dist.metadata["Name"].lower().replace("_", "-")
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(dist)
-        for text in dist.requires or []:
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
-    return out
-
-
 def device_site(root: Path) -> Path:
-    """A directory of links to the files of the device's distributions (module docstring)."""
-    site = root / "device-site"
-    site.mkdir()
-    for dist in requirement_closure(DEVICE_DEPENDENCIES):
-        for f in dist.files or []:
-            top = f.parts[0]
-            if top == ".." or (site / top).exists():
-                continue
-            (site / top).symlink_to(Path(str(dist.locate_file(top))).resolve())
-    return site
+    """The device's distributions linked into one folder (``tests/device_site.py``), from the device
+    interpreter's own installation (:data:`DEVICE_PYTHON`)."""
+    if DEVICE_PYTHON == sys.executable:
+        return build_site(root)
+    made = subprocess.run(
+        [DEVICE_PYTHON, "-I", str(Path(__file__).parents[1] / "device_site.py"), str(root)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return Path(made.stdout.strip())
 
 
 def device_python(*code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-I", "-S", "-c", *code], capture_output=True, text=True, timeout=120, check=False
+        [DEVICE_PYTHON, "-I", "-S", "-c", *code], capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -148,7 +135,7 @@ async def test_a_device_with_only_its_own_dependencies_runs_a_protected_federati
             ]  # fmt: skip
             procs.append(
                 await asyncio.create_subprocess_exec(
-                    sys.executable,
+                    DEVICE_PYTHON,
                     "-I",
                     "-S",
                     "-c",

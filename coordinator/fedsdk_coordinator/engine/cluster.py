@@ -43,6 +43,7 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
     quorum = min(c.min_clients, len(rnd.participants))
     valid = await _collect(e, rnd, quorum)
     base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
+    base["declined"] = len(rnd.declined)  # devices whose run conditions did not hold (not failures)
     if len(valid) < quorum:
         log.error(
             "round %d cluster %d failed: %d valid updates, quorum %d",
@@ -147,7 +148,11 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
             state="done",
             num_clients=len(valid),
             total_samples=sum(int(getattr(u, "num_samples", 0)) for u in valid),
-            metrics={"resumed": 1, **{"budget_" + cid: b for cid, b in rnd.budgets.items()}},
+            metrics={
+                "resumed": 1,
+                "declined": len(rnd.declined),
+                **{"budget_" + cid: b for cid, b in rnd.budgets.items()},
+            },
         )
         progress.info(
             "round %d/%d cluster %d: %d updates, aggregated before the restart and published again",

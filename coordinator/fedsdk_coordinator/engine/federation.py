@@ -35,6 +35,7 @@ class FederationState:
         self.completed_round = 0
         self.rejected = RejectCounter()
         self.failures = RejectCounter()  # Error replies of devices, by code
+        self.declines = RejectCounter()  # tasks devices declined (a run condition did not hold), by code
         self.late = 0
         self.resent = 0  # identical re-sends of a reply already held (after a re-request)
         self.online: dict[str, Hello] = {}

@@ -6,6 +6,10 @@ Every reply is checked against the round, the cluster, the model's shape, the HE
 (:meth:`Strategy.check_reply`), and the sender named by the topic. Late replies (an earlier round id) are
 counted and dropped, never mixed into another round. A reply identical to the one already held is a
 harmless re-send and is ignored.
+
+A device's decline (an ``Error`` whose code is ``declined_<condition>``: one of its run conditions did not
+hold, ``fedsdk.conditions``) is a reply like an error, so the round stops waiting for the device, but it is
+counted apart (``declines``, by code; its result's status is the code) and never as a failure.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fedsdk.protocol import (
     Sketch,
     Update,
     decode,
+    is_declined,
 )
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import check_kind
@@ -211,7 +216,8 @@ class Inbound:
         if client_id in sk.replies:
             self._duplicate(sk, client_id, payload)
             return
-        self.e.store.save_reply(0, 0, client_id, payload)
+        declined = {"status": msg.code, "metrics": {"reason": msg.reason}} if is_declined(msg.code) else None
+        self.e.store.save_reply(0, 0, client_id, payload, result=declined)  # a decline is in /api/clients
         sk.replies[client_id], sk.raw[client_id] = msg, payload
         self._seen(client_id)
         self._failed(0, 0, client_id, msg)
@@ -236,7 +242,9 @@ class Inbound:
         if client_id not in rnd.participants:
             raise ValidationError("not_participant", f"{client_id} got no task in round {rnd.round_id}")
         e.strategy.check_reply(msg, rnd, client_id)
-        status = f"error:{msg.code}" if isinstance(msg, Error) else "update"
+        status = "update"
+        if isinstance(msg, Error):
+            status = msg.code if is_declined(msg.code) else f"error:{msg.code}"
         metrics: dict[str, Any] = {"reason": msg.reason} if isinstance(msg, Error) else dict(msg.metrics)
         metrics["reply_s"] = time.monotonic() - rnd.sent_at
         result = {
@@ -271,7 +279,14 @@ class Inbound:
         raise ValidationError("duplicate", f"second reply from {client_id} in round {rnd.round_id}")
 
     def _failed(self, round_id: int, cluster_id: int, client_id: str, msg: Error) -> None:
-        """Log and count a device's failure in a round (its Error reply)."""
+        """Log and count a device's failure in a round (its Error reply), or its decline."""
+        if is_declined(msg.code):
+            self.e.declines.add(msg.code)
+            log.info(
+                "round %d cluster %d: device %s declined (%s): %s",
+                round_id, cluster_id, client_id, msg.code, msg.reason,
+            )  # fmt: skip
+            return
         self.e.failures.add(msg.code)
         log.warning(
             "round %d cluster %d: device %s failed (%s): %s",

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from fedsdk.protocol import Error
+from fedsdk.protocol import Error, is_declined
 from fedsdk_coordinator.clustering import cluster_sketches
 from fedsdk_coordinator.engine.state import RoundState, wait_with_grace
 from fedsdk_coordinator.store import RoundPlan
@@ -41,9 +41,13 @@ async def run_sketch_round(e: RoundEngine) -> str:
     e.sketch_round = None
     if len(e.sketches) < c.min_clients:
         why = f"sketch round failed: {len(e.sketches)} sketches, quorum {c.min_clients}"
-        errors = sorted((cid, r) for cid, r in sk.replies.items() if isinstance(r, Error))
+        errors = sorted(
+            (cid, r) for cid, r in sk.replies.items() if isinstance(r, Error) and not is_declined(r.code)
+        )
         if errors:
             why += f"; {len(errors)} device errors, e.g. {errors[0][0]}: {errors[0][1].reason[:160]}"
+        if sk.declined:
+            why += f"; {len(sk.declined)} declined ({', '.join(sk.declined[:5])})"
         e.sketches.clear()
         return why
     sketches = dict(e.sketches)

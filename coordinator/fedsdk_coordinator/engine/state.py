@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedsdk.protocol import BaseMessage, DecryptShare, Error, Report
+from fedsdk.protocol import BaseMessage, DecryptShare, Error, Report, is_declined
 from fedsdk_coordinator.resume import StoredRound
 
 __all__ = ["RoundState", "failure_summary", "wait", "wait_with_grace", "within_total_weight"]
@@ -53,6 +53,11 @@ class RoundState:
         """The replies that are updates (not a device's Error)."""
         return [r for r in self.replies.values() if not isinstance(r, Error)]
 
+    @property
+    def declined(self) -> list[str]:
+        """The participants that declined the round (a run condition did not hold on the device)."""
+        return sorted(c for c, r in self.replies.items() if isinstance(r, Error) and is_declined(r.code))
+
     def check_done(self) -> None:
         """Every participant that has not left has replied: the round need not wait for its deadline."""
         if self.participants - self.gone <= set(self.replies):
@@ -81,12 +86,16 @@ class RoundState:
 
 def failure_summary(rnd: RoundState, min_clients: int) -> str:
     """Why a cluster's round got too few valid updates, in one line (for the log and the status)."""
-    errors = sorted((cid, r) for cid, r in rnd.replies.items() if isinstance(r, Error))
+    errors = sorted(
+        (cid, r) for cid, r in rnd.replies.items() if isinstance(r, Error) and not is_declined(r.code)
+    )
     quorum = min(min_clients, len(rnd.participants))
     out = f"{len(rnd.valid)} valid updates of {len(rnd.participants)} devices, quorum {quorum}"
     if errors:
         cid, err = errors[0]
         out += f"; {len(errors)} device errors, e.g. {cid}: {err.code}: {err.reason[:160]}"
+    if rnd.declined:
+        out += f"; {len(rnd.declined)} declined ({', '.join(rnd.declined[:5])})"
     missing = sorted(rnd.participants - set(rnd.replies))
     if missing:
         out += f"; no reply from {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")

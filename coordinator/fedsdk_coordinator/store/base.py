@@ -88,6 +88,12 @@ CREATE TABLE IF NOT EXISTS aggregates (
 );
 CREATE TABLE IF NOT EXISTS assignments (client_id TEXT PRIMARY KEY, cluster_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS holders (client_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS declines (
+    client_id TEXT NOT NULL,
+    code TEXT NOT NULL,
+    count INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (client_id, code)
+);
 """
 
 _S = TypeVar("_S", bound="StoreBase")

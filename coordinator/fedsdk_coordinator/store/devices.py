@@ -1,6 +1,7 @@
 """The devices' tables: ``clients`` (who said hello, with what data and facts), ``assignments`` (client ->
 cluster), ``holders`` (under HE, the devices that keep their cluster's model) and the clustering itself
-(JSON under the meta key ``clustering``)."""
+(JSON under the meta key ``clustering``). A client's ``declines`` (tasks it declined, by code) are counted
+in the ``declines`` table when its reply is saved (:meth:`RoundTables.save_reply`)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,13 @@ class DeviceTables(StoreBase):
             "SELECT client_id, first_seen, last_seen, num_samples, cluster_id, online, facts "
             "FROM clients ORDER BY client_id"
         ).fetchall()
-        return [ClientRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), json.loads(r[6])) for r in rows]
+        declines: dict[str, dict[str, int]] = {}
+        for cid, code, n in self.db.execute("SELECT client_id, code, count FROM declines ORDER BY code"):
+            declines.setdefault(str(cid), {})[str(code)] = int(n)
+        return [
+            ClientRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), json.loads(r[6]), declines.get(r[0], {}))
+            for r in rows
+        ]
 
     # -- assignments --------------------------------------------------------------------------
     def set_cluster(self, client_id: str, cluster_id: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,8 @@ class ClientRecord:
     cluster_id: int
     online: bool
     facts: Mapping[str, Any]
+    # rounds the device declined (a run condition did not hold on it), by code (``declined_charging``...)
+    declines: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

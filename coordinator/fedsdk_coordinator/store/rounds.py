@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fedsdk.protocol.messages import is_declined
 from fedsdk_coordinator.store.base import StoreBase
 from fedsdk_coordinator.store.records import RoundPlan, RoundRecord
 
@@ -89,7 +90,9 @@ class RoundTables(StoreBase):
         result: Mapping[str, Any] | None = None,
     ) -> None:
         """Keep an accepted reply's raw envelope (and its ``results`` row: ``status``, ``num_samples``,
-        ``metrics``) in one transaction, so a restarted coordinator does not ask the device again."""
+        ``metrics``) in one transaction, so a restarted coordinator does not ask the device again. A result
+        whose status is a decline code (``declined_<condition>``) also counts in the device's ``declines``,
+        which outlive the round's results (a failed round that runs again replaces them)."""
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO replies(round_id, cluster_id, client_id, envelope) "
@@ -110,6 +113,12 @@ class RoundTables(StoreBase):
                         json.dumps(dict(result.get("metrics", {}))),
                     ),
                 )
+                if is_declined(str(result["status"])):
+                    db.execute(
+                        "INSERT INTO declines(client_id, code, count) VALUES (?, ?, 1) "
+                        "ON CONFLICT(client_id, code) DO UPDATE SET count=count+1",
+                        (client_id, str(result["status"])),
+                    )
 
     def replies(self, round_id: int, cluster_id: int) -> dict[str, bytes]:
         """The stored reply envelopes of one cluster's round, by client id."""

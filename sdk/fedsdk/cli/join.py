@@ -12,6 +12,10 @@ With ``--self-audit`` the device attacks each update before sending it (the anal
 ``fedsdk audit --sent`` on the entries the coordinator would see) and withholds it, answering the round
 with an error of code ``self_audit``, when a local sample is recovered at ``--self-audit-db`` (25 dB) or
 more. The last line counts the withheld updates; a device whose every update was withheld exits 1.
+
+Run conditions (``--only-charging``, ``--min-battery``, ``--max-temp``, ``--only-unmetered``;
+``fedsdk.conditions``): a task that arrives while one does not hold is declined, with the reading as the
+reason; the coordinator counts the decline and goes on with the other devices.
 """
 
 from __future__ import annotations
@@ -107,12 +111,24 @@ def add_parser(sub: Any) -> None:
         metavar="DB",
         help="the PSNR at which a recovered local sample withholds the update (default 25)",
     )
+    cond = p.add_argument_group(
+        "run conditions", "decline a round (the coordinator goes on without this device) unless these hold"
+    )
+    cond.add_argument("--only-charging", action="store_true", help="train only on external power")
+    cond.add_argument(
+        "--min-battery", type=float, metavar="PCT", help="train only with at least PCT%% battery, or charging"
+    )
+    cond.add_argument(
+        "--max-temp", type=float, metavar="CELSIUS", help="train only at or below this device temperature"
+    )
+    cond.add_argument("--only-unmetered", action="store_true", help="train only off metered (mobile) data")
     add_tls_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from fedsdk.client import FedClient
+    from fedsdk.conditions import RunConditions
     from fedsdk.hekeys import load_he
     from fedsdk.model.data import hold_out, load_data
 
@@ -143,6 +159,12 @@ def run(args: argparse.Namespace) -> int:
         d = load_digits(shape="flat")
         eval_data = (d.x_test, d.y_test)
     he = load_he(args.he) if args.he else (kit.load_backend() if kit and kit.he_backend else None)
+    conditions = RunConditions(
+        only_charging=args.only_charging,
+        min_battery=args.min_battery,
+        max_temp=args.max_temp,
+        only_unmetered=args.only_unmetered,
+    )
 
     interrupted: list[int] = []
 
@@ -173,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             pool_capacity=args.pool,
             self_audit=args.self_audit,
             self_audit_db=args.self_audit_db,
+            conditions=conditions,
         ) as client:
             freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
             summary = await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)

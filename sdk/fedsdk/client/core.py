@@ -31,6 +31,7 @@ from fedsdk.client.apply import Aggregates, ApplySteps, Decryption
 from fedsdk.client.link import Link
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.client.work import Tasks, TaskSteps, Work
+from fedsdk.conditions import RunConditions
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportError
@@ -51,6 +52,9 @@ class FedClient:
     """One device's membership in a federation. Owns its MQTT transport, through its link.
 
     States: ``unopened`` -> ``open`` (inside ``async with``) -> ``closed``; any other use raises StateError.
+
+    ``conditions`` (:class:`~fedsdk.conditions.RunConditions`): when the device takes part in a round; a task
+    that arrives while one does not hold is declined (``work.py``).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class FedClient:
         probe_bytes: int = 256 * 1024,
         self_audit: bool = False,
         self_audit_db: float = DEFAULT_THRESHOLD_DB,
+        conditions: RunConditions | None = None,
     ) -> None:
         T.validate_config_id(client_id, "client id")
         T.validate_config_id(federation, "federation")
@@ -92,7 +97,7 @@ class FedClient:
         self._link = Link(
             self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
         )
-        self._tasks = Tasks(self._device, self._link, self._work)
+        self._tasks = Tasks(self._device, self._link, self._work, conditions)
         self._decryption = Decryption(self._device)
         self._aggregates = Aggregates(self._device, self._decryption)
 
@@ -190,6 +195,10 @@ class FedClient:
             self._link.watch(idle_timeout, final_wait), name=f"fedclient-watch-{self.client_id}"
         )
         loop_task = asyncio.create_task(self._loop(), name=f"fedclient-loop-{self.client_id}")
+        recheck = asyncio.create_task(
+            self._tasks.recheck_conditions(lambda: self._link.say_hello(self._publish)),
+            name=f"fedclient-conditions-{self.client_id}",
+        )
         try:
             done, _ = await asyncio.wait(
                 {loop_task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -203,9 +212,9 @@ class FedClient:
                 summary.state, summary.reason = "timeout", f"no end within {timeout} s"
         finally:
             applying = self._aggregates.applying
-            for t in (loop_task, rehello, watch, *applying):
+            for t in (loop_task, rehello, watch, recheck, *applying):
                 t.cancel()
-            await asyncio.gather(loop_task, rehello, watch, *applying, return_exceptions=True)
+            await asyncio.gather(loop_task, rehello, watch, recheck, *applying, return_exceptions=True)
         summary.rejected = self._device.rejected.as_dict()
         return summary
 

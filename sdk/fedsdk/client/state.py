@@ -48,6 +48,7 @@ class ClientSummary:
     resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
     send_failures: int = 0  # uploads that failed for good (the coordinator asks again when it misses them)
     withheld: int = 0  # updates not sent because the self-audit recovered local samples from them
+    declined: dict[str, int] = field(default_factory=dict)  # tasks declined, by code (fedsdk.conditions)
     reason: str = ""  # why the run ended as it did, or the last failure (a task or an aggregate refused)
 
 

@@ -14,6 +14,13 @@ an ``Error`` of code ``self_audit`` and the withheld update is counted (``Client
 update carries the check's ``self_audit_max_db`` and ``self_audit_s`` in its metrics. Models whose first
 layer is not a Linear layer reading the samples (the ``cnn`` preset) are not audited; this is logged once.
 
+Run conditions (``conditions=RunConditions(...)``, ``fedsdk join --only-charging`` ...;
+:mod:`fedsdk.conditions`): checked when a task arrives, off the event loop. When one does not hold the device
+does not train: it answers with an ``Error`` of code ``declined_<condition>`` and the reading, counts it
+(``ClientSummary.declined``) and, for a training round, still applies the round's aggregate (under HE the
+model lives only on the devices: one that skipped an aggregate would train the next round from a stale
+model). A declined task is not remembered as answered: asked again, the device checks again.
+
 Replay protection (``docs/operations.md``, "Crash and restart") is per round number, across epochs: a task
 for a round older than the last one this device accepted is refused (``stale_round``). A task for *the
 same* round and cluster as the last one is answered with the reply already sent for it, byte for byte,
@@ -27,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -36,6 +43,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.client.link import Link
 from fedsdk.client.state import DeviceState, Pending, RoundRecord, model_input
+from fedsdk.conditions import RunConditions, Verdict
 from fedsdk.crypto.pool import auto_capacity
 from fedsdk.errors import (
     ConfigError,
@@ -322,20 +330,86 @@ class Work:
 
 class Tasks:
     """Takes the tasks addressed to this device, on the event loop: refuses stale ones, answers a repeated
-    one with the same bytes, runs the others' steps in the executor and sends the reply."""
+    one with the same bytes, declines one while a run condition does not hold, runs the others' steps in the
+    executor and sends the reply."""
 
-    def __init__(self, device: DeviceState, link: Link, work: Work) -> None:
+    def __init__(
+        self, device: DeviceState, link: Link, work: Work, conditions: RunConditions | None = None
+    ) -> None:
         self.device = device
         self._link = link
         self._work = work
+        self._conditions = conditions if conditions is not None and conditions.active else None
+        if self._conditions is not None:
+            log.info("run conditions: %s", self._conditions.describe())
+        self._unknown_warned: tuple[str, ...] = ()
+        self._since_decline = asyncio.Event()  # set by a decline, cleared once the conditions hold again
         self._last_task_round: int | None = None
         self._answer: _Answer | None = None
+
+    async def _declined(self, task: Task, phase: str) -> bool:
+        """Check the run conditions (module docstring); when one does not hold, decline ``task``: True."""
+        if self._conditions is None:
+            return False
+        verdict: Verdict = await asyncio.get_running_loop().run_in_executor(None, self._conditions.check)
+        if verdict.unknown and verdict.unknown != self._unknown_warned:
+            log.warning(
+                "run conditions on %s hold because the reading is unknown (%s)",
+                ", ".join(verdict.unknown), verdict.reading.describe(),
+            )  # fmt: skip
+        self._unknown_warned = verdict.unknown
+        if verdict.holds:
+            self._since_decline.clear()
+            return False
+        self._since_decline.set()
+        device, summary = self.device, self.device.summary
+        summary.declined[verdict.code] = summary.declined.get(verdict.code, 0) + 1
+        if phase == "train":
+            await self._link.follow_cluster(task.cluster_id)
+            try:  # the round's aggregate is applied all the same, from the model this task starts from, and
+                # the model is built now: a later task (under HE, to a device that holds the model) may not
+                # carry what building it takes
+                device.pending[task.round_id] = Pending(task, self._work.base(task, phase))
+                self._work.model_for(task)
+            except TrainingError as exc:
+                log.warning(
+                    "round %d: declined without a model to apply its aggregate to: %s", task.round_id, exc
+                )
+        progress.info("round %d: declined (%s)", task.round_id, verdict.reason)
+        summary.reason = f"round {task.round_id}: declined: {verdict.reason}"  # what join prints at its end
+        err = Error(
+            client_id=device.client_id, round_id=task.round_id, code=verdict.code, reason=verdict.reason[:500]
+        )
+        await self._link.send(T.ERROR, encode(err))
+        return True
 
     async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
         """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
         payload = encode(msg)
         self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
         return await self._link.send(kind, payload)
+
+    async def recheck_conditions(self, hello: Callable[[], Awaitable[None]]) -> None:
+        """After a decline, check the run conditions every ``recheck_s`` seconds and ``hello()`` once they
+        hold again: a round that failed for want of this device's update runs again when a device comes back.
+        Runs until cancelled (FedClient.run owns it)."""
+        if self._conditions is None:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._since_decline.wait()
+            await asyncio.sleep(self._conditions.recheck_s)
+            if not self._since_decline.is_set():
+                continue  # a task found them holding meanwhile
+            verdict = await loop.run_in_executor(None, self._conditions.check)
+            if not verdict.holds:
+                continue
+            try:
+                await hello()
+            except TransportError as exc:  # the link is down: its reconnect says hello anyway
+                log.warning("could not say hello after the run conditions came back: %s", exc)
+            self._since_decline.clear()
+            progress.info("run conditions hold again (%s): hello said", verdict.reading.describe())
 
     async def on_task(self, task: Task, steps: TaskSteps) -> None:
         device, link, summary = self.device, self._link, self.device.summary
@@ -355,6 +429,8 @@ class Tasks:
         except ValidationError as exc:
             device.rejected.add(exc.code)
             log.warning("rejected task: %s", exc.reason)
+            return
+        if await self._declined(task, phase):
             return
         self._last_task_round = task.round_id
         if phase == "train":

@@ -46,6 +46,7 @@ __all__ = [
     "BYE_LEAVING",
     "BYE_LOST",
     "DATA_MISMATCH",
+    "DECLINED_PREFIX",
     "MAX_ROUND",
     "MAX_SAMPLES",
     "SCHEMA_VERSION",
@@ -59,6 +60,7 @@ __all__ = [
     "Status",
     "Task",
     "Update",
+    "is_declined",
     "message_class",
     "register",
 ]
@@ -74,6 +76,15 @@ STATUS_STATES: frozenset[str] = frozenset({"online", "running", "finished", "fai
 BYE_LEAVING, BYE_LOST = "leaving", "connection lost"
 # The code of the Error a device sends instead of a hello when its data cannot fit the federation's model.
 DATA_MISMATCH = "data_mismatch"
+# The prefix of the Error code a device answers a task with when one of its run conditions does not hold
+# (``fedsdk.conditions``: ``declined_charging``, ``declined_battery``...): a decline, not a failure.
+DECLINED_PREFIX = "declined_"
+
+
+def is_declined(code: str) -> bool:
+    """Whether an :class:`Error` code is a device's decline (a run condition did not hold)."""
+    return code.startswith(DECLINED_PREFIX)
+
 
 _REGISTRY: dict[int, type[BaseMessage]] = {}
 _M = TypeVar("_M", bound="type[BaseMessage]")
