@@ -63,6 +63,7 @@ from fedsdk.selfaudit import check_threshold, self_audit
 __all__ = ["TaskSteps", "Tasks", "Work"]
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("fedsdk.progress")  # a declined round's line; the CLI shows it by default
 
 Base = list[np.ndarray]
 
