@@ -9,6 +9,12 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     $SUDO apt-get update -qq
     $SUDO apt-get install -y -qq mosquitto >/dev/null
 fi
+if ! command -v shellcheck >/dev/null 2>&1; then
+    echo "== installing shellcheck (the tests check the example device scripts)"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq shellcheck >/dev/null
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
