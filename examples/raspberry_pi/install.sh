@@ -88,7 +88,7 @@ install -m 0755 "$here/fedsdk-device-run" "$prefix/bin/fedsdk-device-run"
 
 echo "== kit and data in $state (mode 0700, owner $user)"
 install -d -m 0700 "$state" "$state/kit" "$state/data"
-rm -rf "$state/kit.new"
+rm -rf "$state/kit.new" "$state/consecutive-failures"  # a new install starts without backoff
 install -d -m 0700 "$state/kit.new"
 cp -r "$kit/fedsdk.json" "$kit/ca.pem" "$kit/client.pem" "$kit/client.key" "$kit/he" "$state/kit.new/"
 find "$state/kit.new" -type d -exec chmod 0700 {} +
