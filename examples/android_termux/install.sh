@@ -49,7 +49,9 @@ conf="$HOME/.config/fedsdk/device.env"
 service="$PREFIX/var/service/fedsdk-device"
 
 echo "== Termux packages (compiled dependencies)"
-pkg install -y python python-numpy python-onnxruntime python-cryptography python-psutil termux-services
+# termux-api: the run conditions read the battery and the Wi-Fi through it (with the Termux:API app)
+pkg install -y python python-numpy python-onnxruntime python-cryptography python-psutil termux-services \
+    termux-api
 
 echo "== venv $venv (sees Termux's packages; pip installs pure Python only)"
 [ -x "$venv/bin/python" ] || python -m venv --system-site-packages "$venv"
@@ -122,5 +124,6 @@ else
     sv up fedsdk-device
     echo "started; log: tail -f $PREFIX/var/log/sv/fedsdk-device/current"
 fi
+echo "Install the Termux:API app (same source as Termux) for the run conditions to read battery and Wi-Fi."
 echo "Keep Termux's notification (Acquire wakelock), exempt Termux from battery optimisation; on Android 12+"
 echo "see README.md for the phantom-process limit that otherwise kills the service in the background."
