@@ -160,7 +160,8 @@ for name, idx in (("pi-01", order[::2]), ("host-01", order[1::2])):
 PY
 
 log "4. install.sh in the chroot, offline, from the kit's wheels"
-rm -rf "$rootfs/root/pi-01" "$rootfs/root/pi-01.npz"
+# a fresh configuration every run (install.sh keeps an existing one)
+rm -rf "$rootfs/root/pi-01" "$rootfs/root/pi-01.npz" "$rootfs/etc/fedsdk/device.env"
 cp -r "$run/fleet/devices/pi-01" "$rootfs/root/pi-01"
 cp "$run/data/pi-01.npz" "$rootfs/root/pi-01.npz"
 start=$(date +%s)
@@ -169,8 +170,12 @@ log "   install.sh took $(($(date +%s) - start)) s"
 in_pi runuser -u fedsdk -- /opt/fedsdk/venv/bin/python -c \
     'import platform, numpy, onnxruntime, gmpy2, fedsdk; print("   ", platform.machine(), platform.python_version(), "numpy", numpy.__version__, "onnxruntime", onnxruntime.__version__, "gmpy2", gmpy2.version())'
 ls -ld "$rootfs/var/lib/fedsdk" "$rootfs/var/lib/fedsdk/kit" "$rootfs/var/lib/fedsdk/kit/client.key"
-# the run-condition flags exist once fedsdk join has them; an older fedsdk refuses unknown options
-if ! in_pi /opt/fedsdk/venv/bin/fedsdk join --help | grep -q -- --max-temp; then
+# every run condition on, as a phone would have them (a Pi has no battery, so the battery ones hold; here
+# the chroot reads the host's /sys); an older fedsdk join without the flags refuses them, so they go
+if in_pi /opt/fedsdk/venv/bin/fedsdk join --help | grep -q -- --max-temp; then
+    sed -i 's/^FEDSDK_ONLY_CHARGING=.*/FEDSDK_ONLY_CHARGING=1/; s/^FEDSDK_MIN_BATTERY=.*/FEDSDK_MIN_BATTERY=20/
+        s/^FEDSDK_ONLY_UNMETERED=.*/FEDSDK_ONLY_UNMETERED=1/' "$rootfs/etc/fedsdk/device.env"
+else
     log "   this fedsdk join has no run-condition flags: clearing them in /etc/fedsdk/device.env"
     sed -i 's/^FEDSDK_MAX_TEMP=.*/FEDSDK_MAX_TEMP=/; s/^FEDSDK_MIN_BATTERY=.*/FEDSDK_MIN_BATTERY=/' \
         "$rootfs/etc/fedsdk/device.env"

@@ -255,3 +255,17 @@ def test_termux_install_refuses_outside_termux(host_fleet: Path, tmp_path: Path)
     )
     assert proc.returncode == 1 and "run it inside Termux" in proc.stderr
     assert not (tmp_path / ".fedsdk").exists()
+
+
+def test_every_configuration_key_reaches_the_run_wrapper() -> None:
+    wrapper = (EXAMPLES / "raspberry_pi" / "fedsdk-device-run").read_text()
+    for env in (
+        EXAMPLES / "raspberry_pi" / "fedsdk-device.env",
+        EXAMPLES / "android_termux" / "fedsdk-device.env",
+    ):
+        keys = [line.split("=", 1)[0] for line in env.read_text().splitlines() if line.startswith("FEDSDK_")]
+        assert len(keys) == 11, keys
+        assert [k for k in keys if "${" + k not in wrapper] == [], env
+    # the four run-condition flags of fedsdk join, by their exact names
+    for flag in ("--only-charging", "--min-battery", "--max-temp", "--only-unmetered"):
+        assert f"args+=({flag}" in wrapper
