@@ -3,7 +3,8 @@
 # 64-bit is built on, Python 3.11) run under qemu user mode in a chroot, with a Raspberry-Pi-4-style
 # /proc/cpuinfo bound in (onnxruntime's cpuinfo warns and crashes on the host's x86 one).
 #
-#   sudo bash examples/raspberry_pi/verify_arm64.sh        (Debian/Ubuntu x86_64 host; slow: ~10-30 min)
+#   sudo bash examples/raspberry_pi/verify_arm64.sh   (Debian/Ubuntu x86_64 host; 5-10 min the first time,
+#                                                      about 1 min once the userland is kept)
 #
 # 1. installs qemu-user-static, debootstrap, binfmt-support, mosquitto if missing; enables qemu-aarch64
 # 2. debootstraps bookworm arm64 into $FEDSDK_VERIFY_DIR/rootfs (kept and reused by later runs)
