@@ -269,3 +269,12 @@ def test_every_configuration_key_reaches_the_run_wrapper() -> None:
     # the four run-condition flags of fedsdk join, by their exact names
     for flag in ("--only-charging", "--min-battery", "--max-temp", "--only-unmetered"):
         assert f"args+=({flag}" in wrapper
+
+
+def test_the_cli_offers_every_bundle_platform() -> None:
+    from fedsdk_coordinator.cli.provision import PLATFORM_NAMES
+    from fedsdk_coordinator.provision import PLATFORMS
+
+    assert sorted(PLATFORM_NAMES) == sorted(PLATFORMS)
+    for platform in PLATFORMS.values():
+        assert (DEVICE_FILES / platform.files / "install.sh").is_file()
