@@ -3,17 +3,21 @@
 # Used verbatim by the README and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+apt_install() {  # apt_install WHY PACKAGE...: Debian packages the tests need
+    local why=$1; shift
+    echo "== installing $* ($why)"
+    local sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    $sudo apt-get install -y -qq "$@" >/dev/null
+}
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
-    echo "== installing mosquitto (the tests start their own brokers)"
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq mosquitto >/dev/null
+    apt_install "the tests start their own brokers" mosquitto
 fi
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
-    echo "== installing chromium and chromedriver (the dashboard's browser test drives them headless)"
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+    apt_install "the dashboard's browser test drives them headless" chromium chromium-driver
+fi
+if ! command -v shellcheck >/dev/null 2>&1; then
+    apt_install "the tests check the example device scripts" shellcheck
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -1,6 +1,9 @@
 """``fedsdk provision``: make a fleet's CA, broker configuration, HE keys and kits (operator's machine).
 
   fedsdk provision --fleet fleet.json --out fleet/     a new fleet directory from a fleet file
+      --with-wheels [--platform arm64|host|termux]      each device kit also carries the fedsdk wheel, its
+                                                       dependency wheels (arm64, host) and install.sh
+      --wheels DIR                                     the same, wheels taken from DIR (offline)
   fedsdk provision add-device ID --fleet-dir fleet/    one more device kit (--force re-issues an existing one)
   fedsdk provision revoke ID --fleet-dir fleet/        revoke a device's certificate(s), rewrite crl.pem
   fedsdk provision reissue ID --fleet-dir fleet/       new certificate for a device, broker, coordinator...
@@ -22,6 +25,8 @@ from typing import Any
 from fedsdk.cli._progress import step
 from fedsdk.errors import ConfigError
 
+PLATFORM_NAMES = ("arm64", "host", "termux")  # fedsdk_coordinator.provision.bundle.PLATFORMS
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -33,6 +38,26 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fleet", help="fleet file (.json, or .toml on Python >= 3.11)")
     p.add_argument("--out", help="new fleet directory (must not exist, or be empty)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--with-wheels",
+        action="store_true",
+        help="put the fedsdk wheel, the platform's dependency wheels and its install script into every "
+        "device kit (and every kit add-device writes later): copy a kit, run its install.sh",
+    )
+    p.add_argument(
+        "--platform",
+        choices=sorted(PLATFORM_NAMES),
+        default="arm64",
+        help="the devices' platform for --with-wheels: arm64 (Raspberry Pi OS 64-bit, Python 3.11; "
+        "default), host (this machine's architecture and Python), termux (Android; compiled "
+        "dependencies come from pkg)",
+    )
+    p.add_argument(
+        "--wheels",
+        metavar="DIR",
+        help="put into every device kit the wheels of DIR (a fedsdk wheel and any dependency wheels) "
+        "instead of building and downloading them; implies --with-wheels",
+    )
     p.set_defaults(func=run, provision_cmd=None)
     actions = p.add_subparsers(
         dest="provision_cmd", metavar="{add-device,revoke,reissue,rotate-he,check-kit}"
@@ -86,15 +111,16 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], human: list[str]) -> N
 
 
 def _new_fleet(args: argparse.Namespace) -> int:
-    from fedsdk_coordinator.provision import load_fleet, provision
+    from fedsdk_coordinator.provision import BundleRequest, load_fleet, provision
 
     if not (args.fleet and args.out):
         raise ConfigError(
             "fedsdk provision needs --fleet FILE and --out DIR (or an action: add-device, revoke)"
         )
     fleet = load_fleet(args.fleet)
+    bundle = BundleRequest(args.platform, args.wheels) if args.with_wheels or args.wheels else None
     with step(f"provisioning {len(fleet.devices)} devices (CA, certificates, HE key pair: {_he(fleet.he)})"):
-        report = provision(fleet, args.out)
+        report = provision(fleet, args.out, bundle=bundle)
     human = [
         f'provisioned federation "{report.federation}" in {report.fleet_dir}',
         f"  key mode {report.key_mode}, HE backend {report.backend}, key id {report.key_id[:16]}",
@@ -105,6 +131,11 @@ def _new_fleet(args: argparse.Namespace) -> int:
     if report.keyserver_kit is not None:
         human.append(f"  keyserver    {report.keyserver_kit}  -> the key server (holds the secret HE key)")
     human += [f"  device {cid:<12s} {path}" for cid, path in report.device_kits.items()]
+    if report.bundle is not None:
+        how = "in Termux: bash install.sh" if args.platform == "termux" else "as root: sudo bash install.sh"
+        human.append(
+            f"  device kits carry {args.platform} wheels and install.sh: copy a kit to its device, {how}"
+        )
     _emit(args, report.to_json(), human)
     warning = [f"KEEP ON THIS MACHINE ONLY: {p}" for p in report.operator_only]
     warning.append(

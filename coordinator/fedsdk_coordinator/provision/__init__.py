@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fedsdk.kit import KIT_FILE, ROLES, HEMaterial, Kit, load_kit, read_he, write_he
 from fedsdk_coordinator.provision.build import (
+    BundleRequest,
     DeviceReport,
     ProvisionReport,
     RevokeReport,
@@ -18,6 +19,7 @@ from fedsdk_coordinator.provision.build import (
     provision,
     revoke_device,
 )
+from fedsdk_coordinator.provision.bundle import PLATFORMS, add_bundle_to_kit, build_bundle
 from fedsdk_coordinator.provision.crl import Revocation, build_crl, revoked_serials
 from fedsdk_coordinator.provision.fleet import (
     KEY_MODES,
@@ -43,9 +45,11 @@ __all__ = [
     "KEY_MODES",
     "KIT_FILE",
     "MOSQUITTO_CONF_TEMPLATE",
+    "PLATFORMS",
     "RESERVED_IDS",
     "ROLES",
     "BrokerSpec",
+    "BundleRequest",
     "DeviceReport",
     "Fleet",
     "HEMaterial",
@@ -58,7 +62,9 @@ __all__ = [
     "Revocation",
     "RevokeReport",
     "RotateHEReport",
+    "add_bundle_to_kit",
     "add_device",
+    "build_bundle",
     "build_crl",
     "fleet_from_mapping",
     "load_fleet",

@@ -11,7 +11,9 @@ or the key server)::
     broker/                    ca.pem, server.pem, server.key (0600), crl.pem, mosquitto.conf, acl
     coordinator/               kit (see fedsdk.kit): public HE key only
     keyserver/                 kit, key mode keyserver only: public and secret HE key
-    devices/<id>/              kit per device; the secret HE key only in key mode shared
+    devices/<id>/              kit per device; the secret HE key only in key mode shared; with a device
+                               bundle also its wheels and install files (``provision.bundle``)
+    device-bundle/             with --with-wheels: the wheels and install files every device kit carries
 
 One HE key pair per federation (``fedsdk.crypto.generate_backend``). A first provisioning is all or nothing:
 everything is written into a private temporary directory next to the target and renamed into place, and
@@ -41,13 +43,22 @@ from fedsdk.errors import ConfigError, CryptoError
 from fedsdk.kit import HEMaterial, read_he, write_he
 from fedsdk.protocol.topics import validate_config_id
 from fedsdk_coordinator.pki import KeyPair, issue_cert, make_ca, write_private, write_public
+from fedsdk_coordinator.provision.bundle import BUNDLE_DIR, add_bundle_to_kit, build_bundle
 from fedsdk_coordinator.provision.crl import build_crl
 from fedsdk_coordinator.provision.fleet import RESERVED_IDS, Fleet, load_fleet
 from fedsdk_coordinator.provision.kit import write_kit
 from fedsdk_coordinator.provision.ledger import Ledger
 from fedsdk_coordinator.provision.mosquitto import render_acl, render_mosquitto_conf
 
-__all__ = ["DeviceReport", "ProvisionReport", "RevokeReport", "add_device", "provision", "revoke_device"]
+__all__ = [
+    "BundleRequest",
+    "DeviceReport",
+    "ProvisionReport",
+    "RevokeReport",
+    "add_device",
+    "provision",
+    "revoke_device",
+]
 
 _FLEET_FILE = "fleet.json"
 
@@ -67,9 +78,11 @@ class ProvisionReport:
     keyserver_kit: Path | None
     device_kits: dict[str, Path] = field(default_factory=dict)
     operator_only: tuple[Path, ...] = ()
+    bundle: Path | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "device_bundle": str(self.bundle) if self.bundle else None,
             "fleet_dir": str(self.fleet_dir),
             "federation": self.federation,
             "key_mode": self.key_mode,
@@ -172,7 +185,15 @@ def write_crl(root: Path, ca: KeyPair, ledger: Ledger) -> Path:
     )
 
 
-def _build(fleet: Fleet, root: Path) -> None:
+@dataclass(frozen=True)
+class BundleRequest:
+    """Put a device bundle into every device kit: the platform and, optionally, a directory of wheels."""
+
+    platform: str = "arm64"
+    wheels_from: str | None = None
+
+
+def _build(fleet: Fleet, root: Path, bundle: BundleRequest | None = None) -> None:
     ca = make_ca(f"fedsdk {fleet.federation} CA", days=fleet.ca_days)
     write_public(root / "ca" / "ca.pem", ca.cert_pem)
     write_private(root / "ca" / "ca.key", ca.key_pem)
@@ -227,8 +248,11 @@ def _build(fleet: Fleet, root: Path) -> None:
             include_secret=True,
             **common,
         )
+    if bundle is not None:
+        build_bundle(root, bundle.platform, wheels_from=bundle.wheels_from)
     for cid in fleet.devices:
         _write_device(root, fleet, ca, he, ledger, cid, root / "devices" / cid)
+        add_bundle_to_kit(root, root / "devices" / cid)
     ledger.save()
     write_public(root / _FLEET_FILE, (_dumps(fleet.to_dict())).encode())
 
@@ -253,11 +277,18 @@ def _report(root: Path, fleet: Fleet, key_id: str) -> ProvisionReport:
         keyserver_kit=root / "keyserver" if fleet.key_mode == "keyserver" else None,
         device_kits={cid: root / "devices" / cid for cid in fleet.devices},
         operator_only=tuple(operator_only),
+        bundle=root / BUNDLE_DIR if (root / BUNDLE_DIR).is_dir() else None,
     )
 
 
-def provision(fleet: Fleet, out: str | os.PathLike[str]) -> ProvisionReport:
-    """Create a new fleet directory at ``out`` (which must not exist, or be empty). All or nothing."""
+def provision(
+    fleet: Fleet, out: str | os.PathLike[str], *, bundle: BundleRequest | None = None
+) -> ProvisionReport:
+    """Create a new fleet directory at ``out`` (which must not exist, or be empty). All or nothing.
+
+    With ``bundle`` every device kit also carries the wheels and install files of that platform
+    (:mod:`fedsdk_coordinator.provision.bundle`), and so does every kit ``add_device`` writes later.
+    """
     target = Path(out).absolute()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(
@@ -267,7 +298,7 @@ def provision(fleet: Fleet, out: str | os.PathLike[str]) -> ProvisionReport:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))  # mode 0700
     try:
-        _build(fleet, tmp)
+        _build(fleet, tmp, bundle)
         if target.exists():
             target.rmdir()
         os.replace(tmp, target)
@@ -352,6 +383,7 @@ def add_device_in(fd: FleetDir, cid: str, force: bool) -> DeviceReport:
     staging = Path(tempfile.mkdtemp(prefix=f".{cid}.", suffix=".tmp", dir=fd.root / "devices"))
     try:
         _write_device(fd.root, fleet, fd.ca, he, fd.ledger, cid, staging)
+        add_bundle_to_kit(fd.root, staging)
         swap_in(staging, kit)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,1 @@
+../../../../../examples/android_termux/install.sh

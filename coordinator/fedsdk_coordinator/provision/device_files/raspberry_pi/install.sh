@@ -1,0 +1,1 @@
+../../../../../examples/raspberry_pi/install.sh
