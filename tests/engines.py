@@ -51,15 +51,25 @@ def device(broker: Any, engine: RoundEngine, cid: str, data: Any, **options: Any
 
 
 @asynccontextmanager
-async def coordinator(
+async def http_coordinator(
     tmp_path: Path, broker: Any, rounds: RoundConfig, *, he_dir: Path | None = None
-) -> AsyncIterator[RoundEngine]:
-    """The coordinator application (model ``mlp``, plain TCP to ``broker``) serving ``rounds``; its engine."""
+) -> AsyncIterator[TestClient[Any, Any]]:
+    """The coordinator application (model ``mlp``, plain TCP to ``broker``) serving ``rounds``; an HTTP
+    client of it (``http.app[ENGINE]`` is its engine)."""
     config = CoordinatorConfig(
         rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
         he_dir=he_dir,
     )  # fmt: skip
     async with TestClient(TestServer(create_app(config))) as http:
+        yield http
+
+
+@asynccontextmanager
+async def coordinator(
+    tmp_path: Path, broker: Any, rounds: RoundConfig, *, he_dir: Path | None = None
+) -> AsyncIterator[RoundEngine]:
+    """As :func:`http_coordinator`; its engine."""
+    async with http_coordinator(tmp_path, broker, rounds, he_dir=he_dir) as http:
         yield http.app[ENGINE]
 
 

@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import require_mosquitto, start_mosquitto
-from engines import digit_devices
+from engines import digit_devices, http_coordinator
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import DATA_MISMATCH, Error, encode
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport
-from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
+from fedsdk_coordinator import RoundConfig
 from fedsdk_coordinator.app import ENGINE
 from webui import raw_publish, require_chromium, start_chromium
 
@@ -90,11 +89,7 @@ async def test_the_dashboard_follows_a_federation_live(tmp_path: Path) -> None:
         federation=fed, rounds=ROUNDS, min_clients=2, start_clients=3, strategy="fedsdk", farewell_s=3.0
     )
     with start_mosquitto(tmp_path / "mosq") as broker:
-        config = CoordinatorConfig(
-            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
-            he_dir=public,
-        )  # fmt: skip
-        async with TestClient(TestServer(create_app(config))) as http:
+        async with http_coordinator(tmp_path, broker, rounds, he_dir=public) as http:
             engine = http.app[ENGINE]
             driver = await asyncio.to_thread(start_chromium, tmp_path / "chromium-profile")
             page = Page(driver)

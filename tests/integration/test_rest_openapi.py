@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 from openapi_spec_validator import validate as validate_spec
 
 from brokers import require_mosquitto, start_mosquitto
-from engines import digit_devices
+from engines import digit_devices, http_coordinator
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_iid, partition_label_skew
@@ -155,11 +155,7 @@ async def test_every_response_of_a_real_federation_matches_the_description(
         return out
 
     with start_mosquitto(tmp_path / "mosq") as broker:
-        config = CoordinatorConfig(
-            rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
-            he_dir=public,
-        )  # fmt: skip
-        async with TestClient(TestServer(create_app(config))) as http:
+        async with http_coordinator(tmp_path, broker, rounds, he_dir=public) as http:
             engine = http.app[ENGINE]
             before = await fetch_all(http)  # waiting for devices: empty lists, no clustering yet
             assert before["/api/clients"] == [] and before["/api/rounds"] == []

@@ -32,7 +32,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import device
+from engines import device, http_coordinator
 from fedsdk.conditions import DECLINED_CHARGING, RunConditions, SysfsPower
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
@@ -98,11 +98,7 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
         deadline_s=DEADLINE_S, seed=1, clustering=False,
         farewell_s=5.0,
     )  # fmt: skip
-    config = CoordinatorConfig(
-        rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True,
-        he_dir=he_dir,
-    )  # fmt: skip
-    async with TestClient(TestServer(create_app(config))) as http:
+    async with http_coordinator(tmp_path, broker, rounds, he_dir=he_dir) as http:
         engine = http.app[ENGINE]
 
         def he() -> Any:
