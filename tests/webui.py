@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,35 @@ async def raw_publish(host: str, port: int, topic: str, payload: bytes) -> None:
     finally:
         raw.disconnect()
         raw.loop_stop()
+
+
+class Page:
+    """The browser's one page; every WebDriver call runs in a thread, so the coordinator keeps serving."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+
+    async def run(self, script: str) -> Any:
+        return await asyncio.to_thread(self.driver.execute_script, script)
+
+    async def text(self, selector: str) -> str | None:
+        got: str | None = await self.run(
+            f"const n = document.querySelector({selector!r}); return n === null ? null : n.textContent;"
+        )
+        return got
+
+    async def count(self, selector: str) -> int:
+        n: int = await self.run(f"return document.querySelectorAll({selector!r}).length;")
+        return n
+
+    async def until(self, what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+        """Poll ``check`` (a coroutine function) until it returns something truthy."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await check()
+            if got:
+                return got
+            if time.monotonic() > deadline:
+                body = await self.run("return document.body.innerText;")
+                raise AssertionError(f"the page never showed {what}; it shows:\n{body}")
+            await asyncio.sleep(0.1)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator import RoundConfig
 from fedsdk_coordinator.app import ENGINE
-from webui import raw_publish, require_chromium, start_chromium
+from webui import Page, raw_publish, require_chromium, start_chromium
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -44,38 +42,6 @@ XSS = '<img src="x" onerror="window.__xss = 1">'
 def _need_browser_and_broker() -> None:
     require_mosquitto()
     require_chromium()
-
-
-class Page:
-    """The browser's one page; every WebDriver call runs in a thread, so the coordinator keeps serving."""
-
-    def __init__(self, driver: Any) -> None:
-        self.driver = driver
-
-    async def run(self, script: str) -> Any:
-        return await asyncio.to_thread(self.driver.execute_script, script)
-
-    async def text(self, selector: str) -> str | None:
-        got: str | None = await self.run(
-            f"const n = document.querySelector({selector!r}); return n === null ? null : n.textContent;"
-        )
-        return got
-
-    async def count(self, selector: str) -> int:
-        n: int = await self.run(f"return document.querySelectorAll({selector!r}).length;")
-        return n
-
-    async def until(self, what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-        """Poll ``check`` (a coroutine function) until it returns something truthy."""
-        deadline = time.monotonic() + timeout
-        while True:
-            got = await check()
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                body = await self.run("return document.body.innerText;")
-                raise AssertionError(f"the page never showed {what}; it shows:\n{body}")
-            await asyncio.sleep(0.1)
 
 
 async def test_the_dashboard_follows_a_federation_live(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from fedsdk_coordinator import CoordinatorConfig, create_app
 from fedsdk_coordinator.app import ENGINE
 from fedsdk_coordinator.rounds import RoundConfig
 from promtext import samples
+from webui import Page, require_chromium, start_chromium
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -123,6 +124,18 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
             power_supply(power, charging=True)
             summaries = await asyncio.wait_for(runs, 100)
         models = [d.weights for d in devices]
+        if strategy == "plaintext":  # the dashboard's device table shows the decline (headless Chromium)
+            require_chromium()
+            driver = await asyncio.to_thread(start_chromium, tmp_path / "chromium-profile")
+            try:
+                page = Page(driver)
+                await asyncio.to_thread(driver.get, str(http.make_url("/")))
+                cell = 'tr[data-device="d2"] td[data-field="declines"]'
+                shown = await page.until("d2's decline", lambda: page.text(cell))
+                assert shown == f"{DECLINED_CHARGING}×1", shown
+                assert await page.text('tr[data-device="d0"] td[data-field="declines"]') == ""
+            finally:
+                await asyncio.to_thread(driver.quit)
         clients = {c["client_id"]: c for c in await (await http.get("/api/clients")).json()}
         rounds_done = {r["round_id"]: r for r in await (await http.get("/api/rounds")).json()}
         health = await (await http.get("/api/health")).json()

@@ -335,7 +335,7 @@ function renderDevices(clients) {
       cell(fixed(m.upload_s, 3), "num"),
       cell(fixed(m.decrypt_s, 3), "num"),
       cell(Object.entries(f).map(([k, v]) => `${k}×${v}`).join(", "), "bad"),
-      cell(describeDeclines(c.declines)),
+      el("td", { "data-field": "declines", text: describeDeclines(c.declines) }),
       cell(deviceFacts(c.facts || {}), "facts"),
     );
     return row;

@@ -133,14 +133,29 @@ def _skip(root: Path) -> Callable[[str, list[str]], set[str]]:
     return ignore
 
 
+def _can_build_here() -> bool:
+    """Whether this environment has what pyproject.toml's build-system requires: setuptools >= 68 and
+    ``bdist_wheel`` (the ``wheel`` package, or setuptools >= 70.1, which carries it)."""
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    parts = [int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit()]
+    version = [*parts, 0, 0][:2]
+    if version < [68, 0]:
+        return False
+    return importlib.util.find_spec("wheel") is not None or version >= [70, 1]
+
+
 def build_fedsdk_wheel(out: Path) -> Path:
     """``pip wheel --no-deps`` of a copy of the source tree into ``out``; returns the wheel's path."""
     with tempfile.TemporaryDirectory(prefix="fedsdk-wheel-") as tmp:
         src = Path(tmp) / "src"
         tree = source_tree()
         shutil.copytree(tree, src, symlinks=True, ignore=_skip(tree))
-        # without build isolation when setuptools is here: no index needed, so provisioning stays offline
-        isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+        # without build isolation when this environment can build the wheel itself (no index needed, so
+        # provisioning stays offline); else pip fetches the build requirements into an isolated one
+        isolation = ["--no-build-isolation"] if _can_build_here() else []
         _pip(["wheel", "--no-deps", *isolation, "-q", "-w", str(out), str(src)], "pip wheel")
     found = sorted(out.glob("fedsdk-*.whl"))
     if not found:
