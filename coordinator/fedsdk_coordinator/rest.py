@@ -1,8 +1,8 @@
 """The REST endpoints beside the round data, and the dashboard's files.
 
 * ``/api/clusters``: the clusters, their members, and the clustering decision (why this many clusters, the
-  silhouette, and for a split refused as too weak the best split's silhouette, recomputed from the sketches
-  the engine kept, once, off the event loop);
+  silhouette, every split question asked with the candidates affinity propagation offered and their
+  silhouettes, and for a split refused as too weak the best split's silhouette);
 * ``/api/openapi.json``: the OpenAPI 3 description of the whole REST API (``openapi.json`` in this package);
 * ``/``, ``/dashboard.js``, ``/dashboard.css``: the live dashboard (``dashboard/`` in this package: static
   files, no build step, no network but this coordinator's REST API).
@@ -13,16 +13,14 @@ coordinator's application (:func:`fedsdk_coordinator.app.create_app`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
-from functools import partial
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
-from fedsdk_coordinator.clustering import MIN_SILHOUETTE, Clustering, cluster_sketches
+from fedsdk_coordinator.clustering import MIN_SILHOUETTE, Clustering
 from fedsdk_coordinator.evaluation import METRICS
 from fedsdk_coordinator.rounds import RoundEngine
 from fedsdk_coordinator.store import Store
@@ -41,9 +39,6 @@ ASSETS = {  # served path -> (file in dashboard/, content type)
     "/dashboard.js": ("dashboard.js", "text/javascript"),
     "/dashboard.css": ("dashboard.css", "text/css"),
 }
-# The best split refused as too weak: [the clustering it was computed for, the split] (computed once per
-# clustering, on the first request after it).
-BEST_SPLIT = web.AppKey("best_split", list)
 
 
 def _package_text(*parts: str) -> str:
@@ -67,10 +62,12 @@ def _reason(engine: RoundEngine, c: Clustering | None) -> tuple[str, str]:
     if c.fallback is not None:
         return "decided", f"one cluster: {FALLBACKS.get(c.fallback, c.fallback)}"
     sil = "n/a" if c.silhouette is None else f"{c.silhouette:.3f}"
-    return "decided", f"affinity propagation: {c.n_clusters} clusters, silhouette {sil}"
+    asked = sum(1 for step in c.steps if step.path)
+    inside = f", {asked} split questions asked inside clusters" if asked else ""
+    return "decided", f"affinity propagation: {c.n_clusters} clusters, silhouette {sil}{inside}"
 
 
-def clusters_view(engine: RoundEngine, store: Store, best_split: dict[str, Any] | None) -> dict[str, Any]:
+def clusters_view(engine: RoundEngine, store: Store) -> dict[str, Any]:
     """The body of ``/api/clusters`` (see openapi.json, ``Clusters``)."""
     c = engine.clustering
     status, reason = _reason(engine, c)
@@ -108,7 +105,8 @@ def clusters_view(engine: RoundEngine, store: Store, best_split: dict[str, Any] 
         "min_silhouette": MIN_SILHOUETTE,
         "converged": None if c is None else c.converged,
         "devices": 0 if c is None else len(c.labels),
-        "best_split": best_split,
+        "best_split": best_split(c),
+        "steps": [] if c is None else [step.as_dict() for step in c.steps],
         # the first training round is planned as soon as the clustering is decided
         "decided_at": min(first_round) if c is not None and first_round else None,
     }
@@ -123,30 +121,12 @@ def _metric(metrics: Any) -> dict[str, Any]:
     return {}
 
 
-def _best_split(sketches: dict[str, Any], seed: int) -> dict[str, Any] | None:
-    """The split affinity propagation found before the silhouette threshold refused it."""
-    split = cluster_sketches(sketches, seed=seed, min_silhouette=None)
-    if split.silhouette is None:
+def best_split(c: Clustering | None) -> dict[str, Any] | None:
+    """For a split refused as too weak: the split affinity propagation offered (clusters, silhouette), from
+    the clustering's first step."""
+    if c is None or c.fallback != "weak_structure" or not c.steps or c.steps[0].best_silhouette is None:
         return None
-    return {"n_clusters": split.n_clusters, "silhouette": split.silhouette}
-
-
-async def best_split(app: web.Application, engine: RoundEngine) -> dict[str, Any] | None:
-    """For a split refused as too weak: the refused split (clusters, silhouette), when the engine still holds
-    every clustered device's sketch (not after a restart). Computed once per clustering, in a thread."""
-    c = engine.clustering
-    if c is None or c.fallback != "weak_structure":
-        return None
-    cache: list[Any] = app[BEST_SPLIT]
-    if not cache or cache[0] is not c:
-        sketches = {cid: engine.sketches[cid] for cid in c.labels if cid in engine.sketches}
-        split = None
-        if len(sketches) == len(c.labels):
-            loop = asyncio.get_running_loop()
-            split = await loop.run_in_executor(None, partial(_best_split, sketches, engine.config.seed))
-        cache[:] = [c, split]
-    split_: dict[str, Any] | None = cache[1]
-    return split_
+    return {"n_clusters": c.steps[0].best_clusters, "silhouette": c.steps[0].best_silhouette}
 
 
 def add_routes(
@@ -156,12 +136,9 @@ def add_routes(
 ) -> None:
     """Register ``/api/clusters``, ``/api/openapi.json`` and the dashboard's files; ``engine(app)`` and
     ``store(app)`` give the running engine and store."""
-    app[BEST_SPLIT] = []
 
     async def clusters(request: web.Request) -> web.Response:
-        e = engine(request.app)
-        split = await best_split(request.app, e)
-        return web.json_response(clusters_view(e, store(request.app), split))
+        return web.json_response(clusters_view(engine(request.app), store(request.app)))
 
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(openapi_document())

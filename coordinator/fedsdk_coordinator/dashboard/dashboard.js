@@ -279,6 +279,14 @@ function renderDecision(clusters) {
     );
   }
   if (d.best_split) rows.push(["best split refused", `${d.best_split.n_clusters} clusters, silhouette ${fixed(d.best_split.silhouette, 3)}`]);
+  for (const step of d.steps || []) {
+    const where = step.path === "" ? "all devices" : `inside cluster ${step.path}`;
+    const offered = step.candidates
+      .map((c) => `${c.clusters}: ${c.silhouette === null ? "n/a" : fixed(c.silhouette, 3)}`)
+      .join(", ");
+    const answer = step.accepted ? `split in ${step.best_clusters}` : `kept whole (${step.reason.replace("_", " ")})`;
+    rows.push([`${where} (${step.devices})`, `${answer}; offered ${offered || "nothing"}`]);
+  }
   if (d.devices) rows.push(["devices clustered", d.devices]);
   if (d.decided_at) rows.push(["decided", `by ${clock(d.decided_at)}`]);
   const dl = document.getElementById("decision");

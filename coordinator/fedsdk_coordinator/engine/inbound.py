@@ -180,9 +180,9 @@ class Inbound:
     def _sketch(self, client_id: str, msg: Sketch, payload: bytes) -> None:
         e = self.e
         vec = np.asarray(msg.vector, dtype=np.float64)
-        if vec.size != e.config.sketch_dim:
+        if vec.size != e.config.sketch_size:
             raise ValidationError(
-                "wrong_shape", f"sketch of {vec.size} values, expected {e.config.sketch_dim}"
+                "wrong_shape", f"sketch of {vec.size} values, expected {e.config.sketch_size}"
             )
         self._seen(client_id)
         sk = e.sketch_round

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fedsdk.protocol import Error, is_declined
-from fedsdk_coordinator.clustering import cluster_sketches
+from fedsdk_coordinator.clustering import cluster_sketches, describe
 from fedsdk_coordinator.engine.state import RoundState, wait_with_grace
 from fedsdk_coordinator.store import RoundPlan
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["run_sketch_round"]
 
 log = logging.getLogger("fedsdk_coordinator.rounds")
+progress = logging.getLogger("fedsdk.progress.rounds")  # the CLI shows these lines by default
 
 
 async def run_sketch_round(e: RoundEngine) -> str:
@@ -55,9 +56,5 @@ async def run_sketch_round(e: RoundEngine) -> str:
     e.clustering = await loop.run_in_executor(None, lambda: cluster_sketches(sketches, seed=c.seed))
     e.store.save_clustering(e.clustering)
     e.clusters.update(e.clustering.labels)
-    sil = e.clustering.silhouette
-    log.info(
-        "clustered %d devices into %d clusters (silhouette %s)",
-        len(sketches), e.clustering.n_clusters, "n/a" if sil is None else f"{sil:.3f}",
-    )  # fmt: skip
+    progress.info("clustering: %s", describe(e.clustering))
     return ""

@@ -58,7 +58,7 @@ def make_task(
         "mask_floor": c.mask_floor,
         "mask_noise": c.mask_noise,
         "mask_clip": c.mask_clip,
-        "sketch_dim": c.sketch_dim,
+        "sketch_dim": c.sketch_size,
         "sketch_seed": c.seed * 7919 + 1,
         "dp_epsilon": c.dp_epsilon,
         "dp_clip": c.dp_clip,

@@ -99,6 +99,7 @@ class DeviceTables(StoreBase):
             "silhouette": clustering.silhouette,
             "converged": clustering.converged,
             "fallback": clustering.fallback,
+            "steps": [step.as_dict() for step in clustering.steps],
         }
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('clustering', ?)", (json.dumps(doc),))
@@ -107,7 +108,7 @@ class DeviceTables(StoreBase):
             db.execute("DELETE FROM replies WHERE round_id=0")
 
     def load_clustering(self) -> Clustering | None:
-        from fedsdk_coordinator.clustering import Clustering
+        from fedsdk_coordinator.clustering import Clustering, SplitStep
 
         doc = self.get_json("clustering")
         if doc is None:
@@ -119,6 +120,7 @@ class DeviceTables(StoreBase):
             silhouette=doc["silhouette"],
             converged=bool(doc["converged"]),
             fallback=doc["fallback"],
+            steps=tuple(SplitStep.from_dict(step) for step in doc.get("steps", [])),
         )
 
     # -- model holders (HE: the devices that keep their cluster's model) ---------------------------
