@@ -49,7 +49,7 @@ from fedsdk_coordinator.engine.federation import FederationState
 from fedsdk_coordinator.engine.inbound import Inbound
 from fedsdk_coordinator.engine.outbox import Outbox, Publish
 from fedsdk_coordinator.engine.planning import group_by_cluster, plan_rounds
-from fedsdk_coordinator.engine.sketching import run_sketch_round
+from fedsdk_coordinator.engine.sketching import refine_clusters, run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
 from fedsdk_coordinator.engine.tasks import make_status, make_task
 from fedsdk_coordinator.failpoints import reached
@@ -304,6 +304,8 @@ class RoundEngine(FederationState):
         """Group the online devices by cluster, fix each one's budget (the strategy's), persist the plan.
         A device a clustered federation has no cluster for gets a sketch task instead."""
         self.planned_at = self.arrivals
+        if self.clustering is not None and 0 < self.config.recluster_after <= self.late_sketches:
+            await refine_clusters(self, round_id)
         groups, unsketched = group_by_cluster(self.online, self.clusters, self.clustered)
         for cid in unsketched:
             sketch_task = self._task(0, 0, cid, phase="sketch", budget=0.0)

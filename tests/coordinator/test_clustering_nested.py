@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedsdk.errors import ConfigError
 from fedsdk.sketch import sensitivity_sketch
-from fedsdk_coordinator.clustering import SplitStep, adjusted_rand, cluster_sketches, describe, recluster
+from fedsdk_coordinator.clustering import (
+    SplitStep,
+    adjusted_rand,
+    assign_nearest,
+    cluster_sketches,
+    describe,
+    recluster,
+    refine,
+)
 from fedsdk_coordinator.store import Store
 
 N_PARAMS = 4000
@@ -138,3 +147,25 @@ def test_steps_survive_the_store_and_reclustering(tmp_path: Path) -> None:
     assert SplitStep.from_dict(c.steps[0].as_dict()) == c.steps[0]
     again = recluster(c, sk)
     assert dict(again.labels) == dict(c.labels) and again.steps == c.steps
+
+
+def test_refine_splits_a_cluster_late_devices_made_mixed_and_keeps_the_other_ids() -> None:
+    sens, truth = _nested(4, 7)
+    sk = {k: sensitivity_sketch(v, dim=128, seed=7) for k, v in sens.items()}
+    first = {k: v for k, v in sk.items() if truth[k] in (0, 2)}  # one sub-group of each super-group
+    c = cluster_sketches(first)
+    assert c.n_clusters == 2
+    assigned = dict(c.labels)
+    for k in sk.keys() - first.keys():  # late devices go to the nearest exemplar
+        assigned[k] = assign_nearest(c, sk[k])
+    new, parents = refine(c, sk, assigned=assigned, retired_ids=[5])
+    assert new.n_clusters == 4 and adjusted_rand(new, truth) == 1.0
+    assert {k: new.labels[k] for k in first} == dict(c.labels)  # the first devices keep their ids
+    assert sorted(parents) == [6, 7] and set(parents.values()) == {0, 1}
+    for child, parent in parents.items():
+        assert {truth[m] for m in new.members(child)} != {truth[m] for m in new.members(parent)}
+    assert [s.path for s in new.steps if s.accepted][-2:] == ["0/", "1/"]
+    same, none = refine(new, sk)
+    assert none == {} and dict(same.labels) == dict(new.labels)
+    with pytest.raises(ConfigError):
+        refine(c, sk, assigned={"g0-0": 9})

@@ -300,6 +300,8 @@ PROTECTION = (
 def _summary(
     engine: Any, store: Any, args: argparse.Namespace, ids: list[str], logs: Path, procs: dict[str, Any]
 ) -> dict[str, Any]:
+    from fedsdk_coordinator.clustering import clustering_summary
+
     rounds = []
     per_device: dict[str, dict[str, list[float]]] = {cid: {} for cid in ids}
     for r in store.rounds():
@@ -376,6 +378,7 @@ def _summary(
         "cluster_accuracy": {str(k): v for k, v in sorted(final.items())},
         "clusters": {cid: engine.clusters.get(cid, 0) for cid in ids},
         "silhouette": engine.health().get("silhouette"),
+        "clustering": None if engine.clustering is None else clustering_summary(engine.clustering),
         "rounds": rounds,
         "devices": devices,
         "health": engine.health(),

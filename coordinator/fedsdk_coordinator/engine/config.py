@@ -52,6 +52,9 @@ class RoundConfig:
     mask_floor: str = ""  # comma list of fedsdk.masking.FLOORS encrypted on top of every mask
     sketch_dim: int | None = None  # None: SKETCH_DIM, or SKETCH_DIM_DP with dp_epsilon (see sketch_size)
     dp_epsilon: float = 0.0
+    recluster_after: int = (
+        2  # late sketches that make the next round re-cluster (clustering.refine; 0: never)
+    )
     dp_clip: float = 1.0
     report_timeout_s: float = 30.0
     heartbeat_s: float = 30.0  # the retained status is published again this often (devices' idle bound)
@@ -80,5 +83,7 @@ def check_config(c: RoundConfig) -> None:
         raise ConfigError(f"share_wait_s must be in [0, 3600], got {c.share_wait_s}")
     if not 8 <= c.sketch_size <= 4096 or c.sketch_size % 8:
         raise ConfigError(f"sketch_dim must be a multiple of 8 in [8, 4096], got {c.sketch_size}")
+    if c.recluster_after < 0:
+        raise ConfigError(f"recluster_after must be >= 0, got {c.recluster_after}")
     if c.key_mode not in ("shared", "keyserver"):
         raise ConfigError(f"key mode must be shared or keyserver, got {c.key_mode!r}")

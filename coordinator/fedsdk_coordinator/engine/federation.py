@@ -47,6 +47,7 @@ class FederationState:
         self.clustering: Clustering | None = None
         self.models: dict[int, list[np.ndarray]] = {}  # each cluster's plaintext model, when held
         self.sketches: dict[str, np.ndarray] = {}
+        self.late_sketches = 0  # sketches of devices that joined after the clustering, since the last one
         self.sketch_round: RoundState | None = None
         self.open_rounds: dict[int, RoundState] = {}  # each cluster's current round
         self.resumed: list[RoundState] = []  # the round in progress when the previous instance stopped

@@ -1,6 +1,7 @@
 """The sketch round (round 0, clustered strategies only): a sensitivity sketch from every online device,
-then affinity propagation over them (paper 000 §3.1). Its local training is not aggregated: it only
-measures sensitivity at the initial model."""
+then affinity propagation over them (paper 000 §3.1), nested. Its local training is not aggregated: it
+only measures sensitivity at the initial model. Later, sketches of devices that joined after it may split a
+cluster before a round (:func:`refine_clusters`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import time
 from typing import TYPE_CHECKING
 
 from fedsdk.protocol import Error, is_declined
-from fedsdk_coordinator.clustering import cluster_sketches, describe
+from fedsdk_coordinator.clustering import cluster_sketches, describe, refine
 from fedsdk_coordinator.engine.state import RoundState, wait_with_grace
 from fedsdk_coordinator.store import RoundPlan
 
 if TYPE_CHECKING:
     from fedsdk_coordinator.rounds import RoundEngine
 
-__all__ = ["run_sketch_round"]
+__all__ = ["refine_clusters", "run_sketch_round"]
 
 log = logging.getLogger("fedsdk_coordinator.rounds")
 progress = logging.getLogger("fedsdk.progress.rounds")  # the CLI shows these lines by default
@@ -58,3 +59,34 @@ async def run_sketch_round(e: RoundEngine) -> str:
     e.clusters.update(e.clustering.labels)
     progress.info("clustering: %s", describe(e.clustering))
     return ""
+
+
+async def refine_clusters(e: RoundEngine, round_id: int) -> None:
+    """Re-cluster with the sketches held now, late joiners' among them: clusters may split, never merge
+    (:func:`fedsdk_coordinator.clustering.refine`). A new cluster starts from its parent's model: in
+    plaintext the coordinator copies its checkpoint; under HE its members already hold it."""
+    assert e.clustering is not None
+    e.late_sketches = 0
+    previous, sketches, assigned = e.clustering, dict(e.sketches), dict(e.clusters)
+    loop = asyncio.get_running_loop()
+    new, parents = await loop.run_in_executor(
+        None, lambda: refine(previous, sketches, assigned=assigned, seed=e.config.seed)
+    )
+    e.clustering = new
+    if not parents:
+        log.info("re-clustering before round %d: no cluster splits (%s)", round_id, describe(new))
+        return
+    if e.he is None:
+        for new_id, parent in sorted(parents.items()):
+            weights = [w.copy() for w in e.models.get(parent, e.initial)]
+            e.models[new_id] = weights
+            e.store.save_model(new_id, e.completed_round, weights)
+    e.store.save_clustering(new)
+    e.clusters.update(new.labels)
+    progress.info(
+        "re-clustering before round %d: %s split, new %s; %s",
+        round_id,
+        ", ".join(f"cluster {p}" for p in sorted(set(parents.values()))),
+        ", ".join(f"cluster {k}" for k in sorted(parents)),
+        describe(new),
+    )
