@@ -30,6 +30,22 @@ def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintex
         "--clustering", choices=["auto", "on", "off"], default="auto", help="auto: as the strategy does"
     )
     g.add_argument("--dp-epsilon", type=float, default=0.0, help="DP noise on the sketches (0: none)")
+    g.add_argument(
+        "--sketch-dim",
+        type=int,
+        default=None,
+        metavar="N",
+        help="values per sensitivity sketch, a multiple of 8 (default 128, or 32 with --dp-epsilon; "
+        "docs/clustering.md)",
+    )
+    g.add_argument(
+        "--recluster-after",
+        type=int,
+        default=2,
+        metavar="N",
+        help="re-cluster (clusters may split, never merge) once N devices joined late sent sketches "
+        "(0: never; docs/clustering.md)",
+    )
     g.add_argument("--uniform-budget", type=float, default=0.1, help="maskcrypt's encrypted fraction")
     g.add_argument("--target-round", type=float, default=None, help="seconds the deadline budgets aim at")
     g.add_argument(
@@ -101,6 +117,8 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "key_mode": args.key_mode or "shared",
         "clustering": None if args.clustering == "auto" else args.clustering == "on",
         "dp_epsilon": args.dp_epsilon,
+        "sketch_dim": args.sketch_dim,
+        "recluster_after": args.recluster_after,
         "uniform_budget": args.uniform_budget,
         "target_round_s": args.target_round,
         "budget_cap": args.budget_cap,
