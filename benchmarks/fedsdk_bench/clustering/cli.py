@@ -34,7 +34,7 @@ from fedsdk_bench.fleet.runner import FleetConfig
 __all__ = ["DEFAULTS", "main", "personal_supported"]
 
 # rounds and local epochs: (a) has converged on iid by then (docs/benchmarks.md, "The clustering benchmark")
-DEFAULTS = {"rounds": 10, "epochs": 10}
+DEFAULTS = {"rounds": 15, "epochs": 10}
 QUICK = {"scenarios": "rot4-8", "rounds": 2, "epochs": 5, "key_bits": 1024}
 
 

@@ -150,7 +150,7 @@ def _scenario_tables(sc: dict[str, Any], key_note: str) -> list[str]:
         for r in seed["rows"]:
             by_dev.setdefault(r["device"], []).append(r)
     for dev, rows in by_dev.items():
-        groups = sorted({str(r["group"]) for r in rows})
+        groups = sorted({"–" if r["group"] is None else str(r["group"]) for r in rows})
         clusters = "/".join("–" if r["cluster"] is None else str(r["cluster"]) for r in rows)
         cells = [_pct(_mean(r[k] for r in rows)) for k in ("a", "b", "c", "d")]
         margin = _mean(_margin(r) for r in rows)

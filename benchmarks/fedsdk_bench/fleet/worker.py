@@ -95,8 +95,18 @@ def score(client: FedClient, x: Any, y: Any) -> dict[str, Any]:
         out["personal"] = model.evaluate(personal.weights, xs, y)[1]
         out["uses_personal"] = bool(personal.uses_personal)
         out["personal_epochs"] = int(personal.epochs)
-        out["personal_metrics"] = dict(personal.metrics)
+        out["personal_metrics"] = {str(k): _plain(v) for k, v in dict(personal.metrics).items()}
     return out
+
+
+def _plain(value: Any) -> Any:
+    """A metric as JSON holds it: numbers (numpy's too) as floats, the rest as text."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:
