@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class FleetConfig:
     mask_policy: str = "security-first"
     mask_B: float | None = None  # eq. 7's B and C; None: the coordinator's defaults
     mask_C: float | None = None
+    client_options: dict[str, Any] = field(default_factory=dict)  # more FedClient keywords, every device
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ def _worker_specs(
                 "eval": files[dev.client_id]["eval"],
                 "he_dir": None if device_he is None else str(device_he),
                 "pool": pool,
+                "score": files[dev.client_id].get("score"),  # samples the worker scores the device on
             }
         )
     return groups
@@ -162,6 +164,20 @@ async def _wait(engine: Any, procs: dict[str, subprocess.Popen[bytes]], timeout:
         if time.monotonic() > deadline:
             return f"timed out after {timeout:.0f} s"
     return None
+
+
+async def _get_json(port: int, path: str) -> Any:
+    """What the coordinator's REST API on 127.0.0.1:``port`` answers at ``path`` (parsed JSON; on failure
+    ``{"error": ...}``)."""
+    from aiohttp import ClientError, ClientSession, ClientTimeout
+
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=60.0)) as http:
+            async with http.get(f"http://127.0.0.1:{port}{path}") as resp:
+                resp.raise_for_status()
+                return await resp.json()
+    except (ClientError, asyncio.TimeoutError) as exc:
+        return {"error": f"GET {path}: {exc!r}"}
 
 
 def _coordinator_view(app: Any, engine: Any, store: Any) -> dict[str, Any]:
@@ -256,7 +272,8 @@ async def run_arm(
             he_dir=keys.get("coordinator"),
         )
         app = co.create_app(config)
-        async with serve(app, "127.0.0.1", free_port()):
+        port = free_port()
+        async with serve(app, "127.0.0.1", port):
             engine, store = app[ENGINE], app[STORE]
             try:
                 if "keyserver" in keys:
@@ -279,6 +296,7 @@ async def run_arm(
                         "federation": FEDERATION,
                         "time_scale": cfg.time_scale,
                         "timeout": cfg.arm_timeout_s,
+                        "client_options": cfg.client_options,
                         "out": str(out),
                         "devices": members,
                     }
@@ -291,6 +309,7 @@ async def run_arm(
                 error = await _wait(engine, workers, cfg.arm_timeout_s)
                 wall = time.monotonic() - t0
                 coordinator = _coordinator_view(app, engine, store)
+                coordinator["api_clusters"] = await _get_json(port, "/api/clusters")
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, _reap, list(workers.values()), 120.0)
             finally:

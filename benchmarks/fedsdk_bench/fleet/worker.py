@@ -3,12 +3,15 @@
 ``python -m fedsdk_bench.fleet.worker SPEC.json`` reads a spec written by the runner::
 
     {"broker_url": "mqtt://127.0.0.1:PORT", "federation": "...", "time_scale": 12.0, "timeout": 3600,
-     "out": "devices-0.json",
+     "out": "devices-0.json", "client_options": {},
      "devices": [{"profile": {...DeviceProfile...}, "data": "dev-00.npz", "eval": "dev-00-eval.npz",
-                  "he_dir": null | "he/device", "pool": 0}, ...]}
+                  "he_dir": null | "he/device", "pool": 0, "score": null | "dev-00-score.npz"}, ...]}
 
 runs every device until the coordinator finishes (or the timeout), and writes one JSON list with each
-device's :meth:`EmulatedClient.result`. The default executor gets a thread per device and then some:
+device's :meth:`EmulatedClient.result`. ``client_options`` (optional) are more keyword arguments for every
+device's FedClient. A device with a ``score`` file is scored on those samples after the run, which it never
+saw (:func:`score`): the model it holds and, when it keeps one, its personal model; the result gets them
+under ``score``. The default executor gets a thread per device and then some:
 emulated steps sleep in it, and asyncio's default (cores + 4) would serialise them.
 """
 
@@ -24,13 +27,14 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+from fedsdk.client import FedClient
 from fedsdk.heap import freeze_long_lived
 from fedsdk.hekeys import load_he
 from fedsdk.model.data import load_npz
 from fedsdk_bench.fleet.emulation import EmulatedClient
 from fedsdk_bench.fleet.scenarios import DeviceProfile
 
-__all__ = ["main", "run_devices"]
+__all__ = ["main", "run_devices", "score"]
 
 log = logging.getLogger("fedsdk_bench.fleet.worker")
 
@@ -58,6 +62,7 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 eval_data=eval_data,
                 insecure=True,
                 timeout=float(spec.get("mqtt_timeout", 30.0)),
+                **spec.get("client_options", {}),
             )
         )
     async with AsyncExitStack() as stack:
@@ -65,7 +70,43 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
             await stack.enter_async_context(c)
         freeze_long_lived()  # as fedsdk join does (heap.py)
         await asyncio.gather(*(c.run(timeout=float(spec["timeout"])) for c in clients))
-    return [c.result() for c in clients]
+    results = []
+    for c, d in zip(clients, spec["devices"]):
+        r = c.result()
+        if d.get("score"):
+            r["score"] = score(c, *load_npz(d["score"]))
+        results.append(r)
+    return results
+
+
+def score(client: FedClient, x: Any, y: Any) -> dict[str, Any]:
+    """The metric (accuracy for classes) on ``(x, y)`` of the model ``client`` holds (``held``) and of its
+    personal model (``personal``, when its FedClient keeps one: ``client.personal``), with the device's own
+    ONNX model; None for a model the device does not have."""
+    out: dict[str, Any] = {"samples": len(y), "held": None, "personal": None, "uses_personal": None}
+    model = client._models.get(client._model_id or "")
+    if model is None:
+        return out
+    xs = x.reshape((-1, *model.input_shape))
+    if client.weights is not None:
+        out["held"] = model.evaluate(client.weights, xs, y)[1]
+    personal = getattr(client, "personal", None)  # FedClients that fine-tune a personal model
+    if personal is not None:
+        out["personal"] = model.evaluate(personal.weights, xs, y)[1]
+        out["uses_personal"] = bool(personal.uses_personal)
+        out["personal_epochs"] = int(personal.epochs)
+        out["personal_metrics"] = {str(k): _plain(v) for k, v in dict(personal.metrics).items()}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A metric as JSON holds it: numbers (numpy's too) as floats, the rest as text."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

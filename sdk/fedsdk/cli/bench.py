@@ -3,6 +3,8 @@
 ``crypto``  HE backends against python-paillier (tables + JSON)
 ``load``    many simulated devices against a loopback mosquitto (coordinator extra)
 ``fleet``   the papers' scenarios with emulated heterogeneity, every strategy side by side (coordinator extra)
+``clustering``  clustered federations and personal models against one global model and training alone
+            (coordinator extra)
 
 Options after ``<what>`` go to that benchmark; ``fedsdk bench <what> --help`` lists them.
 """
@@ -16,7 +18,12 @@ from typing import Any
 from fedsdk.cli._progress import step
 from fedsdk.errors import ConfigError
 
-BENCHMARKS = {"crypto": "fedsdk.crypto.bench", "load": "fedsdk_bench.load", "fleet": "fedsdk_bench.fleet"}
+BENCHMARKS = {
+    "crypto": "fedsdk.crypto.bench",
+    "load": "fedsdk_bench.load",
+    "fleet": "fedsdk_bench.fleet",
+    "clustering": "fedsdk_bench.clustering",
+}
 
 
 def add_parser(sub: Any) -> None:

@@ -1,0 +1,214 @@
+"""The clustering benchmark's scenarios and each device's data: training share D, held-out H, scoring set E.
+
+Scenarios over the shipped digits (8×8 images, 64 values flat):
+
+* ``rot4-8``, ``rot4-16``: 8 or 16 devices, an IID split of the training digits, device ``i`` rotated by
+  90°·(i mod 4); truth group ``i mod 4``.
+* ``mix2x2``: 8 devices, :func:`~fedsdk.model.data.partition_label_skew` with 2 label groups (``i mod 2``)
+  × a rotation of 0° or 90° by ``(i // 2) mod 2``; truth = label group × 2 + rotation group (4 groups of 2).
+* ``dir0.1``, ``dir1.0``: 12 devices, :func:`~fedsdk.model.data.partition_dirichlet` (``min_size=20``), no
+  rotation; no truth.
+* ``iid``: 12 devices, :func:`~fedsdk.model.data.partition_iid`; truth: one group.
+
+A device's **test distribution** is the digits test set rotated like the device, with classes weighted like
+its D. Each class's test images are shuffled and cut in two disjoint pools, one for H and one for E; each
+half draws ``|test| · n_c / |D|`` samples of class ``c`` (largest remainders, so a half has ``|test|``
+samples) from its pool, without replacement while the pool lasts, then with. H and E therefore share no
+image and both follow D's class proportions. H is the device's ``eval_data`` (it reports on it and chooses
+its personal model on it); E is never given to the device: the benchmark scores every arm on E alone.
+All randomness comes from the seed (and the device's index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from fedsdk.errors import ConfigError
+from fedsdk.model import data
+from fedsdk_bench.fleet.scenarios import DeviceProfile, Scenario
+
+__all__ = [
+    "SCENARIOS",
+    "DeviceData",
+    "Layout",
+    "fleet_scenario",
+    "layout",
+    "prepare",
+    "rotate",
+    "split_test_set",
+    "write_files",
+]
+
+SIDE = 8  # the digits are 8×8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One scenario: how many devices, how the training digits are split and how each device is rotated."""
+
+    name: str
+    title: str
+    n_devices: int
+    partition: Literal["iid", "label-skew", "dirichlet"]
+    rotation: Literal["none", "rot4", "rot2-pairs"]  # quarter turns i mod 4, or (i // 2) mod 2
+    alpha: float | None = None  # Dirichlet concentration
+    truth: bool = True  # whether the scenario has ground-truth groups (ARI is reported)
+
+    def quarter_turns(self, i: int) -> int:
+        """Device ``i``'s rotation, in quarter turns."""
+        if self.rotation == "rot4":
+            return i % 4
+        if self.rotation == "rot2-pairs":
+            return (i // 2) % 2
+        return 0
+
+    def groups(self, label_groups: list[int]) -> list[int] | None:
+        """The truth group of every device (None without truth), given the partition's label groups."""
+        if not self.truth:
+            return None
+        n = self.n_devices
+        if self.rotation == "rot4":
+            return [i % 4 for i in range(n)]
+        if self.rotation == "rot2-pairs":
+            return [label_groups[i] * 2 + self.quarter_turns(i) for i in range(n)]
+        return [0] * n
+
+
+SCENARIOS: dict[str, Layout] = {
+    s.name: s
+    for s in (
+        Layout("rot4-8", "8 devices, IID, rotated by 90°·(i mod 4)", 8, "iid", "rot4"),
+        Layout("rot4-16", "16 devices, IID, rotated by 90°·(i mod 4)", 16, "iid", "rot4"),
+        Layout("mix2x2", "8 devices, 2 label groups × rotation 0°/90°", 8, "label-skew", "rot2-pairs"),
+        Layout("dir0.1", "12 devices, Dirichlet α = 0.1", 12, "dirichlet", "none", 0.1, truth=False),
+        Layout("dir1.0", "12 devices, Dirichlet α = 1.0", 12, "dirichlet", "none", 1.0, truth=False),
+        Layout("iid", "12 devices, IID", 12, "iid", "none"),
+    )
+}
+
+
+def layout(name: str) -> Layout:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ConfigError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}") from None
+
+
+def rotate(x: np.ndarray, k: int) -> np.ndarray:
+    """Flat 8×8 images ``x`` (n, 64) turned by ``k`` quarter turns (``np.rot90`` on axes (1, 2)), flat."""
+    images = np.asarray(x).reshape(-1, SIDE, SIDE)
+    return np.ascontiguousarray(np.rot90(images, k % 4, axes=(1, 2)).reshape(len(images), SIDE * SIDE))
+
+
+def _shares(total: int, weights: np.ndarray) -> np.ndarray:
+    """``total`` split in proportion to ``weights`` (largest remainders: the parts add up to ``total``)."""
+    exact = total * weights / weights.sum()
+    parts = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - parts), kind="stable")
+    parts[order[: total - int(parts.sum())]] += 1
+    return parts
+
+
+def _draw(pool: np.ndarray, m: int, rng: np.random.Generator) -> np.ndarray:
+    """``m`` indices from the shuffled ``pool``: without replacement while it lasts, then with."""
+    if m <= len(pool):
+        return pool[:m]
+    return np.concatenate([pool, rng.choice(pool, m - len(pool), replace=True)])
+
+
+def split_test_set(
+    y_train: np.ndarray, y_test: np.ndarray, rng: np.random.Generator, size: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into the test set for H and E (module docstring): ``size`` samples each (default
+    ``len(y_test)``), classes in proportion to their counts in ``y_train``, no test image in both."""
+    size = len(y_test) if size is None else size
+    n_classes = int(max(y_train.max(), y_test.max())) + 1
+    counts = np.bincount(y_train, minlength=n_classes).astype(np.float64)
+    halves: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    per_class = _shares(size, counts)
+    for c in np.flatnonzero(per_class):
+        pool = rng.permutation(np.flatnonzero(y_test == c))
+        if len(pool) < 2:
+            raise ConfigError(f"class {c} has {len(pool)} test image(s): too few to give H and E one each")
+        cut = (len(pool) + 1) // 2
+        for half, own in zip(halves, (pool[:cut], pool[cut:])):
+            half.append(_draw(own, int(per_class[c]), rng))
+    h, e = (np.concatenate(p).astype(np.int64) for p in halves)
+    return h, e
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceData:
+    """One device of a scenario and seed: its truth group, rotation, D, H and E (x flat, already rotated)."""
+
+    client_id: str
+    group: int | None
+    quarter_turns: int
+    train: tuple[np.ndarray, np.ndarray]
+    held_out: tuple[np.ndarray, np.ndarray]  # H, the device's eval_data
+    scoring: tuple[np.ndarray, np.ndarray]  # E, never given to the device
+
+
+def _partition(sc: Layout, y: np.ndarray, seed: int) -> data.Partition:
+    if sc.partition == "label-skew":
+        return data.partition_label_skew(y, sc.n_devices, n_groups=2, seed=seed)
+    if sc.partition == "dirichlet":
+        assert sc.alpha is not None
+        return data.partition_dirichlet(y, sc.n_devices, sc.alpha, seed, min_size=20)
+    return data.partition_iid(y, sc.n_devices, seed=seed)
+
+
+def prepare(sc: Layout, seed: int) -> list[DeviceData]:
+    """Every device's data for scenario ``sc`` and ``seed`` (module docstring)."""
+    digits = data.load_digits(shape="flat")
+    part = _partition(sc, digits.y_train, seed)
+    truth = sc.groups(list(part.groups))
+    out = []
+    for i, idx in enumerate(part.indices):
+        k = sc.quarter_turns(i)
+        y = digits.y_train[idx]
+        h, e = split_test_set(y, digits.y_test, np.random.default_rng([seed, i]))
+        out.append(
+            DeviceData(
+                client_id=f"dev-{i:02d}",
+                group=None if truth is None else truth[i],
+                quarter_turns=k,
+                train=(rotate(digits.x_train[idx], k), y),
+                held_out=(rotate(digits.x_test[h], k), digits.y_test[h]),
+                scoring=(rotate(digits.x_test[e], k), digits.y_test[e]),
+            )
+        )
+    return out
+
+
+def write_files(devices: list[DeviceData], folder: Path) -> dict[str, dict[str, str]]:
+    """D, H and E of every device as ``.npz`` files in ``folder``; their paths per device, as the fleet
+    runner takes them (``data``, ``eval``, ``score``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files: dict[str, dict[str, str]] = {}
+    for d in devices:
+        paths = {
+            "data": folder / f"{d.client_id}.npz",
+            "eval": folder / f"{d.client_id}-held-out.npz",
+            "score": folder / f"{d.client_id}-scoring.npz",
+        }
+        for key, xy in (("data", d.train), ("eval", d.held_out), ("score", d.scoring)):
+            data.save_npz(paths[key], *xy)
+        files[d.client_id] = {k: str(p) for k, p in paths.items()}
+        files[d.client_id]["samples"] = str(len(d.train[1]))
+    return files
+
+
+def fleet_scenario(sc: Layout, devices: list[DeviceData]) -> Scenario:
+    """The fleet runner's view of the scenario: devices all alike (speed factor 1, uplink not limited)."""
+    profiles = tuple(
+        DeviceProfile(d.client_id, d.group or 0, cpus=1.0, speed_factor=1.0, uplink_bytes_per_s=None)
+        for d in devices
+    )
+    groups = len({p.group for p in profiles})
+    partition: Literal["iid", "label-skew"] = "iid" if sc.partition == "iid" else "label-skew"
+    return Scenario(sc.name, sc.title, partition, groups, profiles, "clustering benchmark")

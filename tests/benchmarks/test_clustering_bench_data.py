@@ -1,0 +1,124 @@
+"""The clustering benchmark's data: exact rotations, H and E disjoint and shaped like D, the truth groups,
+the local arm and the goals' arithmetic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedsdk.model import OnnxModel
+from fedsdk.model.data import load_digits
+from fedsdk_bench.clustering.data import SCENARIOS, layout, prepare, rotate, split_test_set
+from fedsdk_bench.clustering.local import LocalSettings, train_alone
+from fedsdk_bench.clustering.report import goals, scenario_summary
+from fedsdk_coordinator.app import model_for
+
+DIGITS = load_digits(shape="flat")
+
+
+def test_four_quarter_turns_are_the_identity_and_two_reverse_the_image() -> None:
+    x = DIGITS.x_train[:50]
+    turned = x
+    for k in range(1, 5):
+        turned = rotate(turned, 1)
+        assert np.array_equal(turned, rotate(x, k))
+        assert (k == 4) == np.array_equal(turned, x)
+    assert np.array_equal(rotate(x, 2), x[:, ::-1])  # 180°: pixel (r, c) goes to (7 − r, 7 − c)
+    assert np.array_equal(rotate(rotate(x, 1), 3), x)
+    one = np.zeros((1, 64), np.float32)
+    one[0, 7] = 1.0  # top right corner
+    assert rotate(one, 1)[0, 0] == 1.0  # np.rot90 turns counter-clockwise: to the top left
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_held_out_and_scoring_halves_are_disjoint_and_follow_the_training_classes(seed: int) -> None:
+    idx = np.flatnonzero(np.isin(DIGITS.y_train, [1, 4, 7]))[::3]  # a skewed share: three classes
+    y = DIGITS.y_train[idx]
+    h, e = split_test_set(y, DIGITS.y_test, np.random.default_rng(seed))
+    n = len(DIGITS.y_test)
+    assert len(h) == len(e) == n
+    assert not set(h.tolist()) & set(e.tolist())  # no test image in both halves
+    share = np.bincount(y, minlength=10) / len(y)
+    for half in (h, e):
+        counts = np.bincount(DIGITS.y_test[half], minlength=10)
+        assert np.all(np.abs(counts - n * share) < 1.0)  # largest remainders
+        assert counts[[0, 2, 3, 5, 6, 8, 9]].sum() == 0
+    again = split_test_set(y, DIGITS.y_test, np.random.default_rng(seed))
+    assert np.array_equal(again[0], h) and np.array_equal(again[1], e)
+
+
+def test_devices_get_rotated_shares_and_the_truth_groups() -> None:
+    test_rows = {row.tobytes() for row in DIGITS.x_test}
+    rot = prepare(layout("rot4-8"), seed=1)
+    assert [d.group for d in rot] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [d.quarter_turns for d in rot] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert sum(len(d.train[1]) for d in rot) == len(DIGITS.y_train)
+    for d in rot:
+        back = rotate(d.scoring[0], -d.quarter_turns)  # E is the test set, turned like the device
+        assert all(row.tobytes() in test_rows for row in back)
+        assert len(d.held_out[1]) == len(d.scoring[1]) == len(DIGITS.y_test)
+    mix = prepare(layout("mix2x2"), seed=2)
+    assert [d.quarter_turns for d in mix] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [d.group for d in mix] == [0, 2, 1, 3, 0, 2, 1, 3]  # label group (i mod 2) × 2 + rotation
+    labels = [set(np.unique(d.train[1]).tolist()) for d in mix]
+    for i, j in ((0, 2), (1, 3), (4, 6)):  # one label group, two rotations
+        assert labels[i] == labels[j] and mix[i].group != mix[j].group
+    assert not labels[0] & labels[1]  # the label groups share no class
+    assert [d.group for d in prepare(layout("dir0.1"), seed=0)] == [None] * 12
+    iid = prepare(layout("iid"), seed=0)
+    assert [d.group for d in iid] == [0] * 12 and {d.quarter_turns for d in iid} == {0}
+    assert len(prepare(layout("rot4-16"), seed=0)) == 16
+    assert set(SCENARIOS) == {"rot4-8", "rot4-16", "mix2x2", "dir0.1", "dir1.0", "iid"}
+
+
+def test_dirichlet_devices_hold_twenty_samples_or_more_and_split_test_set_like_their_classes() -> None:
+    for d in prepare(layout("dir0.1"), seed=4):
+        assert len(d.train[1]) >= 20
+        held = set(np.unique(d.train[1]).tolist())
+        assert (
+            set(np.unique(d.held_out[1]).tolist()) <= held and set(np.unique(d.scoring[1]).tolist()) <= held
+        )
+
+
+def test_the_local_arm_keeps_its_best_epoch_on_held_out_data() -> None:
+    source = model_for("mlp", seed=0)
+    model = OnnxModel.from_bundle(source.bundle)
+    dev = prepare(layout("rot4-8"), seed=0)[1]
+    s = LocalSettings(rounds=2, epochs=3, lr=0.05, momentum=0.9, batch_size=32, seed=0)
+    r = train_alone(model, source.weights, dev, s, 1)
+    assert r["epochs"] == 6 and 1 <= r["epoch"] <= 6
+    assert r["h"] > 0.5 and r["d"] > 0.5  # ten classes: chance is 0.1
+    assert r == train_alone(model, source.weights, dev, s, 1)  # deterministic
+
+
+def _scenario(
+    name: str, rows: list[tuple[float, float, float, float]], clusters: int, ari: float | None
+) -> Any:
+    seed = {
+        "seed": 0,
+        "arms": {"clustered": {"n_clusters": clusters, "ari": ari}},
+        "rows": [
+            {"device": f"dev-{i}", "seed": 0, "a": a, "b": b, "c": c, "d": d, "uses_personal": c != b}
+            for i, (a, b, c, d) in enumerate(rows)
+        ],
+    }
+    sc = {"name": name, "seeds": [seed]}
+    sc["summary"] = scenario_summary(sc)
+    return sc
+
+
+def test_goals_pass_and_fail_by_their_definitions() -> None:
+    good = [(0.80, 0.90, 0.92, 0.85), (0.80, 0.90, 0.905, 0.91)]  # second: c 0.5 point under d
+    checks = {g.name: g for g in goals([_scenario("rot4-8", good, 4, 0.95), _scenario("iid", good, 1, 1.0)])}
+    assert all(g.passed for g in checks.values()), checks
+    bad = [(0.80, 0.90, 0.92, 0.85), (0.80, 0.90, 0.89, 0.91)]  # second: c 2 points under d
+    sc = _scenario("rot4-8", bad, 2, 0.4)
+    assert sc["summary"]["misses"] == 1 and sc["summary"]["worst_margin"] == pytest.approx(-0.02)
+    checks = {g.name: g for g in goals([sc, _scenario("iid", good, 2, 0.0)])}
+    assert [checks[n].passed for n in ("ari", "iid", "no-loser", "means")] == [False, False, False, True]
+    below = [(0.80, 0.80, 0.81, 0.815), (0.80, 0.80, 0.81, 0.815)]  # c half a point under d
+    checks = {g.name: g for g in goals([_scenario("dir0.1", below, 3, None)])}
+    assert checks["ari"].passed is None and checks["iid"].passed is None
+    assert checks["means"].passed is False and checks["no-loser"].passed is True
