@@ -164,3 +164,24 @@ def test_the_chosen_candidate_is_never_worse_than_the_cluster_model_and_ties_go_
     assert k == min(i for i, v in enumerate(values) if v == values[k])  # the first to reach it
     if values[k] == values[0]:
         assert k == 0
+
+
+def test_a_client_without_held_out_data_says_so_once_and_keeps_personalisation_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fedsdk.client import FedClient
+    from fedsdk.errors import ConfigError
+
+    data = (np.zeros((4, 64), np.float32), np.arange(4))
+    with caplog.at_level("INFO", logger="fedsdk.client.core"):
+        off = FedClient("mqtt://127.0.0.1:9", client_id="d0", data=data, insecure=True, personal_epochs=5)
+    assert off._device.personal_epochs == 0 and off.personal is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "d0: personalisation needs held-out data (eval_data) and local samples (data); it stays off"
+    ) == 1
+    on = FedClient("mqtt://127.0.0.1:9", client_id="d1", data=data, eval_data=data, insecure=True,
+                   personal_epochs=5)  # fmt: skip
+    assert on._device.personal_epochs == 5
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="personal_epochs"):
+            FedClient("mqtt://127.0.0.1:9", client_id="d2", data=data, insecure=True, personal_epochs=bad)

@@ -434,8 +434,8 @@ class Aggregates:
         await steps.publish(T.REPORT, report)
         shown = "" if value is None else f", held-out {summary.metric} {value:.4f}"
         if mine is not None:
-            which = "its personal model" if summary.uses_personal[agg.round_id] else "the cluster model"
-            shown += f" (personal {mine:.4f}: uses {which})"
+            which = "personal" if summary.uses_personal[agg.round_id] else "cluster"
+            shown += f", personal {mine:.4f} (uses the {which} model)"
         of = f"/{last:.0f}" if isinstance(last, int | float) else ""
         progress.info(
             "round %d%s cluster %d: model applied%s, update %.0f%% encrypted (%d bytes), %.2f s "
