@@ -408,7 +408,8 @@ class Aggregates:
         if steps.personalise is not None and device.personal_epochs > 0:
             try:
                 metrics.update(await loop.run_in_executor(None, steps.personalise, pending))
-            except (FedError, ValueError) as exc:  # the cluster model stays the one the device uses
+            except (FedError, ValueError) as exc:  # the cluster model becomes the one the device uses
+                device.personal = None
                 log.warning("round %d: personalisation failed: %s", agg.round_id, exc)
         if pending.leak is not None:
             try:
