@@ -7,6 +7,12 @@ those sample counts, i.e. the metric over the union of the devices' held-out sam
 not say how many samples it held weighs as one sample). The coordinator never sees a device's data or, under
 HE, its model; these figures are all it learns of how well the cluster's model does.
 
+A device with personalisation on (``fedsdk.personal``) also reports ``personal_test_<metric>``, the
+held-out metric of the model it uses (its fine-tuned model or the cluster model, whichever did better on those
+samples); ``device_personal_<metric>`` is its sample-weighted mean over the devices that reported one
+(``device_personal_devices``). It is at least as good as the federated figure over the same devices by
+construction, and optimistic, since each device chose on those very samples.
+
 The coordinator's own evaluation (``test_*`` in a round's metrics, without the ``device_`` prefix) runs only
 on data given to it for the model (``--eval-data``).
 """
@@ -24,10 +30,13 @@ METRICS = ("accuracy", "mae", "label_accuracy")
 
 def federated_metrics(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """``device_<metric>`` and ``device_loss`` (sample-weighted means), ``device_eval_samples`` and
-    ``device_eval_devices``, from the reports that carry an evaluation; empty when none does."""
+    ``device_eval_devices``, from the reports that carry an evaluation; empty when none does. With
+    personalisation: ``device_personal_<metric>`` (sample-weighted over the devices that report one) and
+    ``device_personal_devices``."""
     sums: dict[str, float] = {}
-    weight = 0.0
-    devices = 0
+    personal: dict[str, float] = {}
+    weight = personal_weight = 0.0
+    devices = personal_devices = 0
     for metrics in reports:
         names = [m for m in METRICS if f"test_{m}" in metrics]
         if not names:
@@ -38,10 +47,19 @@ def federated_metrics(reports: Iterable[Mapping[str, float]]) -> dict[str, float
         for name in (*names, "loss"):
             if f"test_{name}" in metrics:
                 sums[name] = sums.get(name, 0.0) + w * float(metrics[f"test_{name}"])
+        mine = [m for m in METRICS if f"personal_test_{m}" in metrics]
+        if mine:
+            personal_devices += 1
+            personal_weight += w
+            for name in mine:
+                personal[name] = personal.get(name, 0.0) + w * float(metrics[f"personal_test_{name}"])
     if not devices:
         return {}
     out = {f"device_{name}": total / weight for name, total in sums.items()}
     out.update(device_eval_samples=weight, device_eval_devices=float(devices))
+    if personal_devices:
+        out.update({f"device_personal_{name}": total / personal_weight for name, total in personal.items()})
+        out["device_personal_devices"] = float(personal_devices)
     return out
 
 
@@ -55,6 +73,8 @@ def describe_evaluation(metrics: Mapping[str, Any]) -> str:
                 f"{metrics['device_eval_samples']:.0f} held-out samples on "
                 f"{metrics['device_eval_devices']:.0f} devices"
             )
+        if f"device_personal_{name}" in metrics:
+            parts.append(f"personal {name.replace('_', ' ')} {metrics[f'device_personal_{name}']:.4f}")
         if f"test_{name}" in metrics:
             parts.append(f"coordinator's {name.replace('_', ' ')} {metrics[f'test_{name}']:.4f}")
     return ", ".join(parts) or "no evaluation reported"

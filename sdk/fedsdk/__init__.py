@@ -35,12 +35,14 @@ _LAZY = {
     "FedClient": "fedsdk.client",
     "ClientSummary": "fedsdk.client",
     "RoundRecord": "fedsdk.client",
+    "PersonalModel": "fedsdk.personal",
     "MqttTransport": "fedsdk.transport",
     "TlsConfig": "fedsdk.transport",
 }
 
 if TYPE_CHECKING:
     from fedsdk.client import ClientSummary, FedClient, RoundRecord
+    from fedsdk.personal import PersonalModel
     from fedsdk.transport import MqttTransport, TlsConfig
 
 
@@ -68,6 +70,7 @@ __all__ = [
     "FedError",
     "KeyMismatchError",
     "MqttTransport",
+    "PersonalModel",
     "ProtocolError",
     "RoundRecord",
     "StateError",

@@ -7,6 +7,7 @@ absence can fail."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -100,13 +101,18 @@ def join(url: str, fed: str, cid: str, data: Path, eval_data: Path, he: Path) ->
     return start(
         "join", url, "--insecure", "--client-id", cid, "--federation", fed, "--data", str(data),
         "--eval-data", str(eval_data), "--he", str(he), "--timeout", "120",
+        "--json", str(data.with_suffix(".summary.json")),
     )  # fmt: skip
 
 
-COORDINATOR_LINE = CLOCK + r"round \d/2 cluster \d+: 2 updates, federated accuracy 0\.\d+ .*100% encrypted"
+# devices with held-out data personalise by default (5 epochs): both lines show the personal figure
+COORDINATOR_LINE = (
+    CLOCK + r"round \d/2 cluster \d+: 2 updates, federated accuracy 0\.\d+ .*, personal accuracy [\d.]+.*"
+    r"100% encrypted"
+)
 DEVICE_LINE = (
     CLOCK + r"round \d/2 cluster \d+: model applied, held-out accuracy 0\.\d+, "
-    r"update 100% encrypted \(\d+ bytes\), [\d.]+ s"
+    r"personal [\d.]+ \(uses the (personal|cluster) model\), update 100% encrypted \(\d+ bytes\), [\d.]+ s"
 )
 
 
@@ -141,6 +147,9 @@ def test_coordinator_and_devices_print_one_line_per_round(tmp_path: Path) -> Non
         assert devices[cid].returncode == 0, (out + err)[-3000:]
         per_round = lines(err, DEVICE_LINE)
         assert [ln.split()[2] for ln in per_round] == ["1/2", "2/2"], err[-3000:]
+        summary = json.loads(files[cid].with_suffix(".summary.json").read_text())
+        assert set(summary["personal_accuracy"]) == set(summary["uses_personal"]) == {"1", "2"}
+        assert all(summary["personal_accuracy"][r] >= summary["accuracy"][r] for r in ("1", "2"))
     for text in (c_out, c_err, *(o + e for o, e in outs.values())):
         assert not LIBRARIES.search(text), text[-3000:]
         # progress lines, warnings and the commands' own output only: no fedsdk detail by default

@@ -50,6 +50,18 @@ def test_join_refuses_a_self_audit_threshold_that_is_not_positive(tmp_path: Path
     assert "self-audit threshold must be a finite number of dB > 0" in out.stderr
 
 
+def test_join_documents_personalisation_and_refuses_a_negative_epoch_count(tmp_path: Path) -> None:
+    out = fedsdk("join", "--help")
+    assert out.returncode == 0
+    help_text = " ".join(out.stdout.split())
+    assert "--personal-epochs N" in help_text and "default 5 with held-out data; 0 turns it off" in help_text
+    assert "--save-personal-model" in help_text
+    data = tmp_path / "d.npz"
+    save_npz(data, np.zeros((4, 64), np.float32), np.arange(4) % 10)
+    out = fedsdk("join", "mqtt://127.0.0.1:9", "--insecure", "--data", str(data), "--personal-epochs", "-1")
+    assert out.returncode == 2 and "--personal-epochs must be 0 (off) or more" in out.stderr
+
+
 def test_bad_data_file_is_a_config_error(tmp_path: Path) -> None:
     out = fedsdk("join", "mqtt://127.0.0.1:9", "--insecure", "--data", str(tmp_path / "missing.npz"))
     assert out.returncode == 2 and "missing.npz" in out.stderr

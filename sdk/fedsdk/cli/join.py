@@ -13,6 +13,14 @@ With ``--self-audit`` the device attacks each update before sending it (the anal
 with an error of code ``self_audit``, when a local sample is recovered at ``--self-audit-db`` (25 dB) or
 more. The last line counts the withheld updates; a device whose every update was withheld exits 1.
 
+Personalisation (``--personal-epochs N``; ``fedsdk.personal``): a device with held-out data
+(``--eval-data``, ``--eval-split``, ``--eval-digits``, or the default split of CSV data) fine-tunes each
+round's cluster model on its own data for up to N epochs (default 5) and uses whichever of the two does better
+on its held-out data; each round's line shows the personal figure and which model the device uses. Only
+held-out scalars are reported; the personal weights never leave the device, and the next round trains from
+the cluster model. ``--personal-epochs 0`` turns it off. ``--save-model`` writes the cluster model,
+``--save-personal-model`` the model the device uses.
+
 Run conditions (``--only-charging``, ``--min-battery``, ``--max-temp``, ``--only-unmetered``;
 ``fedsdk.conditions``): a task that arrives while one does not hold is declined, with the reading as the
 reason; the coordinator counts the decline and goes on with the other devices.
@@ -34,6 +42,9 @@ from fedsdk.cli._common import add_tls_options, column_names, tls_from_args
 from fedsdk.errors import ConfigError
 from fedsdk.heap import freeze_long_lived
 
+#: Fine-tune epochs after each round for a device with held-out data, unless --personal-epochs says otherwise.
+DEFAULT_PERSONAL_EPOCHS = 5
+
 
 def _pool_size(text: str) -> int | None:
     if text.strip().lower() == "auto":
@@ -44,6 +55,16 @@ def _pool_size(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"--pool takes a number or 'auto', not {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError("--pool must be 0 (off), a positive number or 'auto'")
+    return value
+
+
+def _epochs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--personal-epochs takes a whole number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("--personal-epochs must be 0 (off) or more")
     return value
 
 
@@ -98,7 +119,21 @@ def add_parser(sub: Any) -> None:
         metavar="PATH",
         help="write the model this device holds at the end as an ONNX inference graph (x -> logits)",
     )
+    p.add_argument(
+        "--save-personal-model",
+        metavar="PATH",
+        help="write the model this device uses at the end (its personal model when that did better on its "
+        "held-out data, else the cluster model) as an ONNX inference graph",
+    )
     p.add_argument("--eval-digits", action="store_true", help="evaluate on the held-out handwritten digits")
+    p.add_argument(
+        "--personal-epochs",
+        type=_epochs,
+        default=None,
+        metavar="N",
+        help="after each round, fine-tune the cluster model on the local data for up to N epochs and use it "
+        "when it does better on the held-out data (default 5 with held-out data; 0 turns it off)",
+    )
     p.add_argument(
         "--self-audit",
         action="store_true",
@@ -158,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
 
         d = load_digits(shape="flat")
         eval_data = (d.x_test, d.y_test)
+    personal_epochs = args.personal_epochs
+    if personal_epochs is None:
+        personal_epochs = DEFAULT_PERSONAL_EPOCHS if eval_data is not None else 0
     he = load_he(args.he) if args.he else (kit.load_backend() if kit and kit.he_backend else None)
     conditions = RunConditions(
         only_charging=args.only_charging,
@@ -196,12 +234,18 @@ def run(args: argparse.Namespace) -> int:
             self_audit=args.self_audit,
             self_audit_db=args.self_audit_db,
             conditions=conditions,
+            personal_epochs=personal_epochs,
         ) as client:
             freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
             summary = await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)
             if args.save_model and client.weights is not None:
                 client.export_onnx(args.save_model)
                 print(f"{client_id}: model written to {args.save_model} (ONNX, x -> logits)")
+            if args.save_personal_model and client.weights is not None:
+                client.export_onnx(args.save_personal_model, personal=True)
+                mine = client.personal
+                which = "personal" if mine is not None and mine.uses_personal else "cluster"
+                print(f"{client_id}: the {which} model it uses written to {args.save_personal_model}")
             return summary
 
     try:

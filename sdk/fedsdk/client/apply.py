@@ -6,6 +6,14 @@ from the weights of its first task and adds each decrypted average update. After
 device evaluates the model on its evaluation data (when it has any) and publishes a
 :class:`~fedsdk.protocol.Report`, with the round's upload time.
 
+Personalisation (``FedClient(personal_epochs=E)``, :mod:`fedsdk.personal`): after applying the aggregate and
+evaluating it, a device with held-out data fine-tunes the cluster model on its training data for up to ``E``
+epochs with the task's ``lr``, ``momentum`` and ``batch_size``, keeps the better of the two on its held-out
+data as the model it uses (``FedClient.personal``), and adds the scalars ``personal_test_loss``,
+``personal_test_<metric>``, ``personal_epochs``, ``uses_personal`` and ``personal_s`` to its report. The
+device keeps holding the cluster model too: the next round trains from it, and under HE the next aggregate's
+deltas apply to it.
+
 An aggregate is applied once, for a round this device trained in and its cluster: a retained aggregate seen
 again after a reconnect, or one for another round, is counted (``stale_round``) and ignored
 (``docs/operations.md``, "Crash and restart").
@@ -34,6 +42,7 @@ from fedsdk.coop import PeerShare, ShareBook, share_ranks, share_wait
 from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.crypto.shares import ShareSealer
 from fedsdk.errors import CryptoError, FedError, TransportClosed, TransportError, ValidationError
+from fedsdk.personal import personalise
 from fedsdk.protocol import Aggregate, DecryptShare, EncryptedAggregate, Report, ShareBundle
 from fedsdk.protocol import topics as T
 
@@ -51,6 +60,7 @@ class ApplySteps(NamedTuple):
     decrypt_packs: Callable[[int, HEAggregate, list[int]], list[Any]]  # (round, aggregate, ranks) -> plains
     apply: Callable[[AnyAggregate, Pending, list[Any] | None], dict[str, float]]  # merge, evaluate: metrics
     publish: Publish
+    personalise: Callable[[Pending], dict[str, float]] | None = None  # fine-tune and choose: metrics
 
 
 class Decryption:
@@ -327,6 +337,37 @@ class Aggregates:
             out.update({"test_loss": loss, f"test_{model.metric_name}": value, "test_samples": float(len(y))})
         return out
 
+    def personalise(self, pending: Pending) -> dict[str, float]:
+        """Fine-tune the cluster model just applied and choose the model the device uses
+        (:func:`fedsdk.personal.personalise`; in the executor). Its report scalars; none when
+        personalisation is off or the device lacks what it needs."""
+        device = self.device
+        if (
+            device.personal_epochs <= 0
+            or device.eval is None
+            or device.data is None
+            or device.weights is None
+            or device.model_id not in device.models
+        ):
+            return {}
+        task, cfg = pending.task, pending.task.config
+        (x, y), (ex, ey) = device.data, device.eval
+        chosen = personalise(
+            device.models[device.model_id or ""],
+            device.weights,
+            (model_input(task, x), y),
+            (model_input(task, ex), ey),
+            lr=float(cfg.get("lr", 0.05)),
+            momentum=float(cfg.get("momentum", 0.9)),
+            weight_decay=float(cfg.get("weight_decay", 0.0)),
+            batch_size=int(cfg.get("batch_size", 32)),
+            epochs=device.personal_epochs,
+            seed=int(cfg.get("seed", task.round_id)),
+            round_id=task.round_id,
+        )
+        device.personal = chosen
+        return dict(chosen.metrics)
+
     async def on_aggregate(self, agg: AnyAggregate, steps: ApplySteps) -> None:
         device, summary = self.device, self.device.summary
         pending = device.pending.get(agg.round_id)
@@ -364,6 +405,12 @@ class Aggregates:
             return
         metrics.update(dec)
         metrics.setdefault("decrypt_s", 0.0)
+        if steps.personalise is not None and device.personal_epochs > 0:
+            try:
+                metrics.update(await loop.run_in_executor(None, steps.personalise, pending))
+            except (FedError, ValueError) as exc:  # the cluster model becomes the one the device uses
+                device.personal = None
+                log.warning("round %d: personalisation failed: %s", agg.round_id, exc)
         if pending.leak is not None:
             try:
                 metrics.update(await pending.leak)
@@ -378,11 +425,18 @@ class Aggregates:
         value = metrics.get(f"test_{summary.metric}")
         if value is not None:
             summary.accuracy[agg.round_id] = value
+        mine = metrics.get(f"personal_test_{summary.metric}")
+        if mine is not None:
+            summary.personal_accuracy[agg.round_id] = mine
+            summary.uses_personal[agg.round_id] = metrics.get("uses_personal") == 1.0
         report = Report(
             client_id=device.client_id, round_id=agg.round_id, cluster_id=agg.cluster_id, metrics=metrics
         )
         await steps.publish(T.REPORT, report)
         shown = "" if value is None else f", held-out {summary.metric} {value:.4f}"
+        if mine is not None:
+            which = "personal" if summary.uses_personal[agg.round_id] else "cluster"
+            shown += f", personal {mine:.4f} (uses the {which} model)"
         of = f"/{last:.0f}" if isinstance(last, int | float) else ""
         progress.info(
             "round %d%s cluster %d: model applied%s, update %.0f%% encrypted (%d bytes), %.2f s "

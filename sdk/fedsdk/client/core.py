@@ -12,10 +12,10 @@ meanwhile (``apply.py``); a new task waits for the aggregates still being applie
 model one of them makes.
 
 The steps a round runs are methods of FedClient (``_publish``; ``_sketch``, ``_fit``,
-``_train_and_protect``, ``_leak_count``; ``_decrypt_packs``, ``_apply``; and ``_on_task``,
-``_on_aggregate`` around them), handed to the parts each time a message arrives: a subclass may wrap one
-(the fleet benchmark's ``EmulatedClient`` dilates the compute steps and stamps a timeline) and a test may
-replace one on an instance, while the parts keep no reference to the client.
+``_train_and_protect``, ``_leak_count``; ``_decrypt_packs``, ``_apply``, ``_personalise``; and
+``_on_task``, ``_on_aggregate`` around them), handed to the parts each time a message arrives: a subclass
+may wrap one (the fleet benchmark's ``EmulatedClient`` dilates the compute steps and stamps a timeline) and
+a test may replace one on an instance, while the parts keep no reference to the client.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportError
 from fedsdk.model import OnnxModel, Trainer, TrainResult
 from fedsdk.model.export import write_onnx
+from fedsdk.personal import PersonalModel
 from fedsdk.protocol import Aggregate, BaseMessage, EncryptedAggregate, ShareBundle, Sketch, Status, Task
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import RejectCounter
@@ -55,6 +56,10 @@ class FedClient:
 
     ``conditions`` (:class:`~fedsdk.conditions.RunConditions`): when the device takes part in a round; a task
     that arrives while one does not hold is declined (``work.py``).
+
+    ``personal_epochs`` (> 0, with ``data`` and ``eval_data``): after each round the device fine-tunes the
+    cluster model on its data for up to that many epochs and uses the better of the two on its held-out data
+    (:attr:`personal`, :mod:`fedsdk.personal`); only held-out scalars are reported. 0: off.
     """
 
     def __init__(
@@ -76,8 +81,11 @@ class FedClient:
         self_audit: bool = False,
         self_audit_db: float = DEFAULT_THRESHOLD_DB,
         conditions: RunConditions | None = None,
+        personal_epochs: int = 0,
     ) -> None:
         T.validate_config_id(client_id, "client id")
+        if isinstance(personal_epochs, bool) or not isinstance(personal_epochs, int) or personal_epochs < 0:
+            raise ConfigError(f"personal_epochs must be an integer >= 0, got {personal_epochs!r}")
         T.validate_config_id(federation, "federation")
         if data is None and trainer is None:
             raise ConfigError("FedClient needs local data (x, y) or a trainer")
@@ -86,6 +94,13 @@ class FedClient:
         self._device = DeviceState(
             client_id, federation, data, eval_data, trainer, he, summary=ClientSummary(client_id)
         )
+        if personal_epochs and (eval_data is None or data is None):
+            log.info(
+                "%s: personalisation needs held-out data (eval_data) and local samples (data); it stays off",
+                client_id,
+            )
+        elif personal_epochs:
+            self._device.personal_epochs = personal_epochs
         self._work = Work(
             self._device,
             intra_op_threads=intra_op_threads,
@@ -120,6 +135,12 @@ class FedClient:
         self._device.weights = value
 
     @property
+    def personal(self) -> PersonalModel | None:
+        """The model this device uses after its last round, with personalisation on: its fine-tuned model or
+        the cluster model, whichever did better on its held-out data (None: off, or no round applied)."""
+        return self._device.personal
+
+    @property
     def num_samples(self) -> int:
         return self._device.num_samples
 
@@ -139,14 +160,21 @@ class FedClient:
     def _transport(self) -> MqttTransport:
         return self._link.transport
 
-    def export_onnx(self, path: str | os.PathLike[str] | None = None) -> bytes:
+    def export_onnx(self, path: str | os.PathLike[str] | None = None, *, personal: bool = False) -> bytes:
         """The model this device holds (the last aggregate it applied), as an ONNX inference model that
         maps ``x`` to ``logits`` in any ONNX runtime; written to ``path`` too when given. Under HE only the
-        devices hold the weights, so this is where a federation's model comes out."""
+        devices hold the weights, so this is where a federation's model comes out.
+
+        ``personal=True``: the model the device uses instead: its personal model of the last applied round
+        when it won on held-out data (:attr:`personal`), else the cluster model."""
         device = self._device
         if device.weights is None or device.model_id is None or device.model_id not in device.models:
             raise StateError("this device holds no model yet: no round's aggregate was applied")
-        blob = device.models[device.model_id].export_onnx(device.weights)
+        weights = device.weights
+        mine = device.personal
+        if personal and mine is not None and mine.round_id == device.model_round:
+            weights = mine.weights
+        blob = device.models[device.model_id].export_onnx(weights)
         if path is not None:
             write_onnx(path, blob)
         return blob
@@ -269,7 +297,8 @@ class FedClient:
         self._aggregates.start(agg, self._on_aggregate)
 
     async def _on_aggregate(self, agg: Aggregate | EncryptedAggregate) -> None:
-        await self._aggregates.on_aggregate(agg, ApplySteps(self._decrypt_packs, self._apply, self._publish))
+        steps = ApplySteps(self._decrypt_packs, self._apply, self._publish, self._personalise)
+        await self._aggregates.on_aggregate(agg, steps)
 
     def _decrypt_packs(self, round_id: int, agg: HEAggregate, ranks: list[int]) -> list[Any]:
         """Raw decryptions of the ciphertexts of round ``round_id``'s ``agg`` at ``ranks`` (in the executor;
@@ -281,3 +310,7 @@ class FedClient:
     ) -> dict[str, float]:
         """Make the round's model from ``agg`` and evaluate it (in the executor)."""
         return self._aggregates.apply(agg, pending, sums)
+
+    def _personalise(self, pending: Pending) -> dict[str, float]:
+        """Fine-tune the cluster model just applied and choose the model the device uses (in the executor)."""
+        return self._aggregates.personalise(pending)

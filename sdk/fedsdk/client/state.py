@@ -17,6 +17,7 @@ from fedsdk.coop import ShareBook
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import TrainingError
 from fedsdk.model import OnnxModel, Trainer
+from fedsdk.personal import PersonalModel
 from fedsdk.protocol import Task
 from fedsdk.protocol.validate import RejectCounter
 
@@ -43,6 +44,10 @@ class ClientSummary:
     rounds: list[RoundRecord] = field(default_factory=list)
     applied_rounds: list[int] = field(default_factory=list)
     accuracy: dict[int, float] = field(default_factory=dict)  # per round: the held-out ``metric``
+    # per round, with personalisation on (fedsdk.personal): the held-out ``metric`` of the model the device
+    # uses, and whether that is its fine-tuned model (False: the cluster model was kept)
+    personal_accuracy: dict[int, float] = field(default_factory=dict)
+    uses_personal: dict[int, bool] = field(default_factory=dict)
     metric: str = "accuracy"  # what ``accuracy`` holds: accuracy, mae (regression) or label_accuracy
     rejected: dict[str, int] = field(default_factory=dict)
     resent: int = 0  # replies sent again, unchanged, because the coordinator asked again
@@ -87,6 +92,8 @@ class DeviceState:
     model_round: int = -1  # the round of the model this device holds (-1: none yet)
     pending: dict[int, Pending] = field(default_factory=dict)  # by round: trained in, not applied yet
     last_round_at: float | None = None  # when the federation's last round was applied (monotonic)
+    personal_epochs: int = 0  # fine-tune epochs after each applied round (0: personalisation off)
+    personal: PersonalModel | None = None  # the model the device uses, from its last personalisation
 
     @property
     def num_samples(self) -> int:
