@@ -10,7 +10,7 @@ import pytest
 
 from fedsdk.model import OnnxModel
 from fedsdk.model.data import load_digits
-from fedsdk_bench.clustering.data import SCENARIOS, layout, prepare, rotate, split_test_set
+from fedsdk_bench.clustering.data import HELD_OUT, SCENARIOS, hold_out, layout, prepare, rotate, scoring_set
 from fedsdk_bench.clustering.local import LocalSettings, train_alone
 from fedsdk_bench.clustering.report import goals, scenario_summary
 from fedsdk_coordinator.app import model_for
@@ -33,20 +33,21 @@ def test_four_quarter_turns_are_the_identity_and_two_reverse_the_image() -> None
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_held_out_and_scoring_halves_are_disjoint_and_follow_the_training_classes(seed: int) -> None:
+def test_scoring_set_follows_the_training_classes_and_held_out_is_a_fifth_of_the_share(seed: int) -> None:
     idx = np.flatnonzero(np.isin(DIGITS.y_train, [1, 4, 7]))[::3]  # a skewed share: three classes
     y = DIGITS.y_train[idx]
-    h, e = split_test_set(y, DIGITS.y_test, np.random.default_rng(seed))
+    e = scoring_set(y, DIGITS.y_test, np.random.default_rng(seed))
     n = len(DIGITS.y_test)
-    assert len(h) == len(e) == n
-    assert not set(h.tolist()) & set(e.tolist())  # no test image in both halves
+    assert len(e) == n
     share = np.bincount(y, minlength=10) / len(y)
-    for half in (h, e):
-        counts = np.bincount(DIGITS.y_test[half], minlength=10)
-        assert np.all(np.abs(counts - n * share) < 1.0)  # largest remainders
-        assert counts[[0, 2, 3, 5, 6, 8, 9]].sum() == 0
-    again = split_test_set(y, DIGITS.y_test, np.random.default_rng(seed))
-    assert np.array_equal(again[0], h) and np.array_equal(again[1], e)
+    counts = np.bincount(DIGITS.y_test[e], minlength=10)
+    assert np.all(np.abs(counts - n * share) < 1.0)  # largest remainders
+    assert counts[[0, 2, 3, 5, 6, 8, 9]].sum() == 0
+    again = scoring_set(y, DIGITS.y_test, np.random.default_rng(seed))
+    assert np.array_equal(again, e)
+    d, h = hold_out(len(idx), np.random.default_rng(seed))
+    assert not set(d.tolist()) & set(h.tolist()) and len(d) + len(h) == len(idx)
+    assert len(h) == round(HELD_OUT * len(idx)) and hold_out(3, np.random.default_rng(0))[1].size == 1
 
 
 def test_devices_get_rotated_shares_and_the_truth_groups() -> None:
@@ -54,11 +55,13 @@ def test_devices_get_rotated_shares_and_the_truth_groups() -> None:
     rot = prepare(layout("rot4-8"), seed=1)
     assert [d.group for d in rot] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [d.quarter_turns for d in rot] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert sum(len(d.train[1]) for d in rot) == len(DIGITS.y_train)
+    assert sum(len(d.train[1]) + len(d.held_out[1]) for d in rot) == len(DIGITS.y_train)
+    train_rows = {row.tobytes() for row in DIGITS.x_train}
     for d in rot:
         back = rotate(d.scoring[0], -d.quarter_turns)  # E is the test set, turned like the device
         assert all(row.tobytes() in test_rows for row in back)
-        assert len(d.held_out[1]) == len(d.scoring[1]) == len(DIGITS.y_test)
+        assert all(row.tobytes() in train_rows for row in rotate(d.held_out[0], -d.quarter_turns))
+        assert len(d.scoring[1]) == len(DIGITS.y_test)
     mix = prepare(layout("mix2x2"), seed=2)
     assert [d.quarter_turns for d in mix] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [d.group for d in mix] == [0, 2, 1, 3, 0, 2, 1, 3]  # label group (i mod 2) × 2 + rotation
@@ -73,13 +76,11 @@ def test_devices_get_rotated_shares_and_the_truth_groups() -> None:
     assert set(SCENARIOS) == {"rot4-8", "rot4-16", "mix2x2", "dir0.1", "dir1.0", "iid"}
 
 
-def test_dirichlet_devices_hold_twenty_samples_or_more_and_split_test_set_like_their_classes() -> None:
+def test_dirichlet_devices_hold_twenty_samples_or_more_and_are_scored_on_their_classes() -> None:
     for d in prepare(layout("dir0.1"), seed=4):
-        assert len(d.train[1]) >= 20
-        held = set(np.unique(d.train[1]).tolist())
-        assert (
-            set(np.unique(d.held_out[1]).tolist()) <= held and set(np.unique(d.scoring[1]).tolist()) <= held
-        )
+        assert len(d.train[1]) + len(d.held_out[1]) >= 20 and len(d.held_out[1]) >= 4
+        held = set(np.unique(np.concatenate([d.train[1], d.held_out[1]])).tolist())
+        assert set(np.unique(d.scoring[1]).tolist()) <= held
 
 
 def test_the_local_arm_keeps_its_best_epoch_on_held_out_data() -> None:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fedsdk.errors import ConfigError
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits
 from fedsdk.personal import choose, personalise
@@ -86,11 +87,16 @@ def test_zero_epochs_and_a_kept_cluster_model_return_the_cluster_arrays_themselv
     assert all(a is b for a, b in zip(p.weights, cluster, strict=True))
     _, acc = model.evaluate(cluster, *held)
     assert p.metrics["personal_test_accuracy"] == acc and p.metrics["uses_personal"] == 0.0
-    # a held-out set the cluster model already gets all right: no fine-tuned model can beat it (ties keep it)
+    # a held-out set the cluster model already gets all right: a fine-tuned model can only tie on accuracy,
+    # and then wins only with a held-out loss lower by the paired test
     right = np.flatnonzero(model.logits(cluster, ds.x_test).argmax(axis=1) == ds.y_test)[:60]
-    p = personalise(model, cluster, train, (ds.x_test[right], ds.y_test[right]), epochs=3, **FT)
-    assert not p.uses_personal and p.epochs == 0 and p.metrics["personal_test_accuracy"] == 1.0
-    assert all(a is b for a, b in zip(p.weights, cluster, strict=True))
+    held_right = (ds.x_test[right], ds.y_test[right])
+    p = personalise(model, cluster, train, held_right, epochs=3, **FT)
+    assert p.metrics["personal_test_accuracy"] == 1.0
+    if p.uses_personal:
+        assert p.metrics["personal_test_loss"] < model.evaluate(cluster, *held_right)[0]
+    else:
+        assert p.epochs == 0 and all(a is b for a, b in zip(p.weights, cluster, strict=True))
 
 
 def _regression_model() -> tuple[OnnxModel, list[np.ndarray]]:
@@ -185,3 +191,21 @@ def test_a_client_without_held_out_data_says_so_once_and_keeps_personalisation_o
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="personal_epochs"):
             FedClient("mqtt://127.0.0.1:9", client_id="d2", data=data, insecure=True, personal_epochs=bad)
+
+
+def test_the_paired_test_gates_fine_tuned_candidates_and_breaks_metric_ties_by_loss() -> None:
+    from fedsdk.personal import T_CRITICAL, paired_t
+
+    base = np.array([0.5, 0.4, 0.6, 0.5, 0.7, 0.3])
+    assert paired_t(base, base - 0.2) > 1e6  # every sample gains the same (up to rounding): certain
+    assert paired_t(base, base) == 0.0
+    noisy = base + np.array([0.3, -0.3, 0.2, -0.2, 0.1, -0.15])  # gains and losses: not significant
+    assert paired_t(base, noisy) < T_CRITICAL
+    # a better score without evidence loses; with it, wins; at an equal score the lower loss wins
+    assert choose([0.9, 0.95], "accuracy", evidence=[0.0, 1.0]) == 0
+    assert choose([0.9, 0.95], "accuracy", evidence=[0.0, 2.0]) == 1
+    assert choose([0.9, 0.9, 0.9], "accuracy", evidence=[0.0, 3.0, 3.0], losses=[0.4, 0.3, 0.2]) == 2
+    assert choose([0.9, 0.9], "accuracy", evidence=[0.0, 1.0], losses=[0.4, 0.1]) == 0
+    assert choose([0.9, 0.9], "accuracy", losses=[0.4, 0.4]) == 0  # a full tie: the cluster model
+    with pytest.raises(ConfigError):
+        choose([0.9, 0.9], "accuracy", losses=[0.4])

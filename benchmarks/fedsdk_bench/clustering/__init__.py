@@ -14,25 +14,29 @@ from __future__ import annotations
 
 from fedsdk_bench.clustering.cli import main
 from fedsdk_bench.clustering.data import (
+    HELD_OUT,
     SCENARIOS,
     DeviceData,
     Layout,
+    hold_out,
     layout,
     prepare,
     rotate,
-    split_test_set,
+    scoring_set,
 )
 from fedsdk_bench.clustering.report import Goal, goals
 
 __all__ = [
+    "HELD_OUT",
     "SCENARIOS",
     "DeviceData",
     "Goal",
     "Layout",
     "goals",
+    "hold_out",
     "layout",
     "main",
     "prepare",
     "rotate",
-    "split_test_set",
+    "scoring_set",
 ]

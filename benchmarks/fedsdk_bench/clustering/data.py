@@ -10,12 +10,13 @@ Scenarios over the shipped digits (8×8 images, 64 values flat):
   rotation; no truth.
 * ``iid``: 12 devices, :func:`~fedsdk.model.data.partition_iid`; truth: one group.
 
-A device's **test distribution** is the digits test set rotated like the device, with classes weighted like
-its D. Each class's test images are shuffled and cut in two disjoint pools, one for H and one for E; each
-half draws ``|test| · n_c / |D|`` samples of class ``c`` (largest remainders, so a half has ``|test|``
-samples) from its pool, without replacement while the pool lasts, then with. H and E therefore share no
-image and both follow D's class proportions. H is the device's ``eval_data`` (it reports on it and chooses
-its personal model on it); E is never given to the device: the benchmark scores every arm on E alone.
+A device's share of the training digits is split at random: 80 % D, which it trains on, and 20 % H, its
+held-out data (``HELD_OUT``; what ``fedsdk join --eval-split 0.2`` does on a real device). H is the device's
+``eval_data``: it reports on it and chooses its personal model on it. E, the device's **test distribution**,
+is the digits test set rotated like the device, with classes weighted like its share: ``|test| · n_c / n``
+samples of class ``c`` (largest remainders), drawn without replacement while the class's test images last,
+then with. E is never given to the device: the benchmark scores every arm (local training included, which
+also trains on D and keeps its best epoch on H) on E alone.
 All randomness comes from the seed (and the device's index).
 """
 
@@ -32,14 +33,16 @@ from fedsdk.model import data
 from fedsdk_bench.fleet.scenarios import DeviceProfile, Scenario
 
 __all__ = [
+    "HELD_OUT",
     "SCENARIOS",
     "DeviceData",
     "Layout",
     "fleet_scenario",
+    "hold_out",
     "layout",
     "prepare",
     "rotate",
-    "split_test_set",
+    "scoring_set",
     "write_files",
 ]
 
@@ -120,25 +123,30 @@ def _draw(pool: np.ndarray, m: int, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([pool, rng.choice(pool, m - len(pool), replace=True)])
 
 
-def split_test_set(
-    y_train: np.ndarray, y_test: np.ndarray, rng: np.random.Generator, size: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Indices into the test set for H and E (module docstring): ``size`` samples each (default
-    ``len(y_test)``), classes in proportion to their counts in ``y_train``, no test image in both."""
-    size = len(y_test) if size is None else size
+#: Share of a device's training digits it keeps back as its held-out data H (as ``fedsdk join --eval-split``).
+HELD_OUT = 0.2
+
+
+def scoring_set(y_train: np.ndarray, y_test: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Indices into the test set for E: ``len(y_test)`` samples, classes in proportion to their counts in
+    ``y_train`` (largest remainders), each class drawn from its shuffled test images without replacement
+    while they last, then with."""
     n_classes = int(max(y_train.max(), y_test.max())) + 1
     counts = np.bincount(y_train, minlength=n_classes).astype(np.float64)
-    halves: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-    per_class = _shares(size, counts)
-    for c in np.flatnonzero(per_class):
-        pool = rng.permutation(np.flatnonzero(y_test == c))
-        if len(pool) < 2:
-            raise ConfigError(f"class {c} has {len(pool)} test image(s): too few to give H and E one each")
-        cut = (len(pool) + 1) // 2
-        for half, own in zip(halves, (pool[:cut], pool[cut:])):
-            half.append(_draw(own, int(per_class[c]), rng))
-    h, e = (np.concatenate(p).astype(np.int64) for p in halves)
-    return h, e
+    per_class = _shares(len(y_test), counts)
+    parts = [
+        _draw(rng.permutation(np.flatnonzero(y_test == c)), int(per_class[c]), rng)
+        for c in np.flatnonzero(per_class)
+    ]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def hold_out(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of a device's ``n`` training digits it trains on (D) and keeps back (H, ``HELD_OUT``, at
+    least one), both sorted."""
+    order = rng.permutation(n)
+    k = max(1, round(HELD_OUT * n))
+    return np.sort(order[k:]), np.sort(order[:k])
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,15 +178,16 @@ def prepare(sc: Layout, seed: int) -> list[DeviceData]:
     out = []
     for i, idx in enumerate(part.indices):
         k = sc.quarter_turns(i)
-        y = digits.y_train[idx]
-        h, e = split_test_set(y, digits.y_test, np.random.default_rng([seed, i]))
+        rng = np.random.default_rng([seed, i])
+        e = scoring_set(digits.y_train[idx], digits.y_test, rng)
+        d, h = hold_out(len(idx), rng)
         out.append(
             DeviceData(
                 client_id=f"dev-{i:02d}",
                 group=None if truth is None else truth[i],
                 quarter_turns=k,
-                train=(rotate(digits.x_train[idx], k), y),
-                held_out=(rotate(digits.x_test[h], k), digits.y_test[h]),
+                train=(rotate(digits.x_train[idx[d]], k), digits.y_train[idx[d]]),
+                held_out=(rotate(digits.x_train[idx[h]], k), digits.y_train[idx[h]]),
                 scoring=(rotate(digits.x_test[e], k), digits.y_test[e]),
             )
         )

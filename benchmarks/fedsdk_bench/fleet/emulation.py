@@ -338,6 +338,8 @@ class EmulatedClient(FedClient):
             "state": s.state,
             "cluster_id": s.cluster_id,
             "accuracy": {str(r): a for r, a in s.accuracy.items()},
+            "personal_accuracy": {str(r): a for r, a in s.personal_accuracy.items()},
+            "uses_personal": {str(r): u for r, u in s.uses_personal.items()},
             "applied_rounds": list(s.applied_rounds),
             "rounds": [dataclasses.asdict(r) for r in s.rounds],
             "rejected": dict(s.rejected),

@@ -246,28 +246,37 @@ class OnnxModel:
         """The task's mean loss over ``(x, y)`` and its metric (:attr:`metric_name`), in batches of
         ``batch_size``: cross-entropy and accuracy, squared error and absolute error, or binary
         cross-entropy and the share of labels right."""
+        losses, metric = self.per_sample(params, x, y, batch_size)
+        return float(losses.sum()) / len(losses), float(metric.sum()) / len(metric)
+
+    def per_sample(
+        self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray, batch_size: int = 256
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's loss and metric (as :meth:`evaluate` averages them), float64 arrays of ``len(x)``."""
         if batch_size < 1:
             raise ConfigError("batch_size must be positive")
         xa, ya = self.check_batch(x, y)
         assert ya is not None
         ps = self.check_params(params)
-        total_loss, metric = 0.0, 0.0
+        losses, metric = np.empty(len(xa)), np.empty(len(xa))
         for start in range(0, len(xa), batch_size):
             z = self._raw_logits(ps, xa[start : start + batch_size]).astype(np.float64)
             yb = ya[start : start + batch_size]
+            part = slice(start, start + len(yb))
             if self.task == "classification":
                 z -= z.max(axis=1, keepdims=True)
                 log_norm = np.log(np.exp(z).sum(axis=1))
-                total_loss += float((log_norm - z[np.arange(len(yb)), yb]).sum())
-                metric += float((z.argmax(axis=1) == yb).sum())
+                losses[part] = log_norm - z[np.arange(len(yb)), yb]
+                metric[part] = z.argmax(axis=1) == yb
                 continue
             per = max(int(np.prod(z.shape[1:])), 1)
             t = yb.astype(np.float64)
+            flat = (len(yb), -1)
             if self.task == "regression":
-                total_loss += float(((z - t) ** 2).sum()) / per
-                metric += float(np.abs(z - t).sum()) / per
+                losses[part] = ((z - t) ** 2).reshape(flat).sum(axis=1) / per
+                metric[part] = np.abs(z - t).reshape(flat).sum(axis=1) / per
             else:
                 bce = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
-                total_loss += float(bce.sum()) / per
-                metric += float(((z > 0) == (t > 0.5)).sum()) / per
-        return total_loss / len(xa), metric / len(xa)
+                losses[part] = bce.reshape(flat).sum(axis=1) / per
+                metric[part] = ((z > 0) == (t > 0.5)).reshape(flat).sum(axis=1) / per
+        return losses, metric
