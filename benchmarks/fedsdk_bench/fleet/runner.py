@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -271,9 +272,13 @@ async def run_arm(
             insecure=True,
             he_dir=keys.get("coordinator"),
         )
-        app = co.create_app(config)
-        port = free_port()
-        async with serve(app, "127.0.0.1", port):
+
+        def make_app(attempt: int) -> Any:
+            state = arm_dir / ("state" if not attempt else f"state-{attempt}")
+            return co.create_app(replace(config, state_dir=state))
+
+        async with contextlib.AsyncExitStack() as served:
+            app, port = await _serve_on_free_port(served, make_app, free_port, serve)
             engine, store = app[ENGINE], app[STORE]
             try:
                 if "keyserver" in keys:
@@ -331,6 +336,24 @@ async def run_arm(
         "exit_codes": {k: p.returncode for k, p in procs.items()},
         "workdir": str(arm_dir),
     }
+
+
+async def _serve_on_free_port(
+    stack: contextlib.AsyncExitStack, make_app: Any, free_port: Any, serve: Any
+) -> tuple[Any, int]:
+    """A fresh application from ``make_app(attempt)`` served on a free loopback port. Another process may
+    take the port between the pick and the bind (the application's startup has run by then and is cleaned
+    up), so up to three attempts, each with a new application."""
+    for attempt in range(3):
+        app, port = make_app(attempt), int(free_port())
+        try:
+            await stack.enter_async_context(serve(app, "127.0.0.1", port))
+        except ConfigError:
+            if attempt == 2:
+                raise
+            continue
+        return app, port
+    raise AssertionError("unreachable")
 
 
 def with_target(arm: Arm, target_round_s: float | None) -> Arm:
