@@ -29,7 +29,7 @@ Why:
   metric counted over a few hundred held-out samples moves by single samples, and on IID devices a
   fine-tuned model often wins by one or two held-out samples by chance (it has begun to overfit the device's
   ~100 training samples); those wins did not hold on unseen samples. Measured with ``fedsdk bench
-  clustering`` (model ``mlp``, 3 seeds, the device's unseen half of its test distribution): with the metric
+  clustering`` (model ``mlp``, 3 seeds, held-out sets then drawn from the test set): with the metric
   alone, IID devices used a fine-tuned model in 12 of 36 device-seeds and lost up to 1.1 points, Dirichlet
   α = 1 devices in 21 of 36 and lost up to 2.8; a veto by the mean held-out loss still let the α = 1 losses
   through. The per-sample loss gain is paired (same samples, two models), so its t statistic measures
