@@ -50,6 +50,8 @@ Decisions (the paper is silent on all of them):
   dashboard. Measured on the benchmark's scenarios (``docs/clustering.md``): ARI 1.0 on four rotation
   groups of 8 and 16 devices and on the 2×2 rotation × label mixture, one cluster on IID and Dirichlet
   devices, with 128-value sketches; 32-value sketches left one 8-device split below the threshold.
+* **No split offered** (``"no_split"``): every preference gave one cluster, or only splits whose small
+  clusters ``min_cluster_size`` folded back into one.
 * **Re-clustering keeps ids** (:func:`recluster`): new clusters are matched one-to-one to old ids by the
   number of devices they share (Hungarian assignment, maximum overlap); a new cluster sharing no device with
   any unmatched old one gets a fresh id above every old and retired id, so a cluster id is never reused for a
@@ -62,7 +64,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 
@@ -88,7 +90,6 @@ __all__ = [
     "clustering_summary",
     "describe",
     "recluster",
-    "refine",
 ]
 
 
@@ -290,8 +291,8 @@ def _ap_split(
             best = result
     if best is None:
         return _build(ids, x, one, False, "not_converged"), tried
-    if best.n_clusters == 1:
-        return best, tried
+    if best.n_clusters == 1:  # AP offered no split, or only splits that left a cluster too small
+        return _build(ids, x, one, True, "no_split"), tried
     if min_silhouette is not None and best.silhouette is not None and best.silhouette < min_silhouette:
         return _build(ids, x, one, True, "weak_structure"), tried
     return best, tried
@@ -482,69 +483,6 @@ def recluster(
         fallback=fresh.fallback,
         steps=fresh.steps,
     )
-
-
-def refine(
-    previous: Clustering,
-    sketches: Mapping[str, np.ndarray],
-    *,
-    assigned: Mapping[str, int] | None = None,
-    retired_ids: Collection[int] = (),
-    seed: int = 0,
-    min_silhouette: float | None = MIN_SILHOUETTE,
-) -> tuple[Clustering, dict[int, int]]:
-    """Split the clusters of ``previous`` again when the sketches held now show structure inside them
-    (re-clustering during training: devices that joined late bring the new evidence). ``assigned`` is
-    every device's cluster now (late joiners were put in the nearest one); default ``previous.labels``.
-
-    Decision: re-clustering only ever splits. A split needs no model transfer under HE, where the model
-    lives on the devices: every child starts from its parent's model, which its members hold. Moving a
-    device to another existing cluster, or merging clusters, would need a model the device does not have.
-    Each cluster whose members with a sketch number at least four is clustered anew, nested, with two
-    devices at least per child; the child holding the cluster's exemplar keeps the cluster's id, the others
-    get fresh ids above every id in use or in ``retired_ids`` (an id names one model for good). Devices
-    without a sketch here (held before a restart) stay in their cluster. Returns the new clustering and,
-    for each new id, the id of the cluster it split from (empty when nothing splits).
-    Questions asked here are added to ``steps`` with paths ``"<id>/"`` and ``"<id>/<sub-path>"``.
-    """
-    labels = dict(previous.labels if assigned is None else assigned)
-    unknown = set(labels.values()) - set(previous.exemplars)
-    if unknown:
-        raise ConfigError(f"devices assigned to clusters {sorted(unknown)}, which the clustering lacks")
-    members = {k: sorted(m for m, c in labels.items() if c == k) for k in previous.exemplars}
-    exemplars = dict(previous.exemplars)
-    centers = dict(previous.centers)
-    steps = list(previous.steps)
-    parents: dict[int, int] = {}
-    next_id = max([*previous.exemplars, *retired_ids, -1]) + 1
-    for k in sorted(previous.exemplars):
-        have = {m: sketches[m] for m in members[k] if m in sketches}
-        if len(have) < 4:
-            continue
-        sub = cluster_sketches(have, seed=seed, min_cluster_size=2, min_silhouette=min_silhouette)
-        steps.extend(replace(step, path=f"{k}/{step.path}") for step in sub.steps)
-        if sub.n_clusters == 1:
-            continue
-        keep = sub.labels.get(
-            previous.exemplars[k], max(sub.members_by_cluster, key=lambda c: len(sub.members(c)))
-        )
-        for c in sorted(sub.exemplars):
-            new_id = k if c == keep else next_id
-            if c != keep:
-                parents[new_id] = k
-                next_id += 1
-            for m in sub.members(c):
-                labels[m] = new_id
-            exemplars[new_id] = sub.exemplars[c]
-            centers[new_id] = np.asarray(sub.centers[c], dtype=np.float64).copy()
-    if not parents:
-        return Clustering(labels, exemplars, centers, previous.silhouette, True, None, tuple(steps)), {}
-    scored = sorted(m for m in labels if m in sketches)
-    silhouette = previous.silhouette
-    if 2 <= len({labels[m] for m in scored}) <= len(scored) - 1:
-        x = np.stack([np.asarray(sketches[m], dtype=np.float64) for m in scored])
-        silhouette = float(silhouette_score(x, [labels[m] for m in scored], metric="euclidean"))
-    return Clustering(labels, exemplars, centers, silhouette, True, None, tuple(steps)), parents
 
 
 def adjusted_rand(clustering: Clustering, truth: Mapping[str, int]) -> float:

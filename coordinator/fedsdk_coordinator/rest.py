@@ -33,6 +33,7 @@ FALLBACKS = {
     "no_structure": "every pair of sketches is equally far apart",
     "weak_structure": "the best split's silhouette is below the threshold: no substantial structure",
     "not_converged": "affinity propagation did not converge",
+    "no_split": "affinity propagation offered no split that keeps two devices in every cluster",
 }
 ASSETS = {  # served path -> (file in dashboard/, content type)
     "/": ("index.html", "text/html"),

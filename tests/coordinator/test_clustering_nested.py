@@ -19,8 +19,8 @@ from fedsdk_coordinator.clustering import (
     cluster_sketches,
     describe,
     recluster,
-    refine,
 )
+from fedsdk_coordinator.refine import refine
 from fedsdk_coordinator.store import Store
 
 N_PARAMS = 4000

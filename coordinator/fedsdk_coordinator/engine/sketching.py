@@ -11,8 +11,9 @@ import time
 from typing import TYPE_CHECKING
 
 from fedsdk.protocol import Error, is_declined
-from fedsdk_coordinator.clustering import cluster_sketches, describe, refine
+from fedsdk_coordinator.clustering import cluster_sketches, describe
 from fedsdk_coordinator.engine.state import RoundState, wait_with_grace
+from fedsdk_coordinator.refine import refine
 from fedsdk_coordinator.store import RoundPlan
 
 if TYPE_CHECKING:
