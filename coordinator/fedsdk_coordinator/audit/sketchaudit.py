@@ -113,6 +113,7 @@ class SketchAuditReport:
     labels_right: float | None = None
     distribution: DistributionScore | None = None
     recovered: int = 0
+    refused_below: int | None = None  # the device's minimum, when it would refuse to send this sketch
     skipped: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -127,6 +128,11 @@ class SketchAuditReport:
             + (f" (of {self.available})" if self.available != self.samples else "")
             + f", {dp}"
         ]
+        if self.refused_below is not None:
+            out.append(
+                f"note: a device refuses to send this sketch (fewer than {self.refused_below} samples "
+                "without DP noise, fedsdk.pipeline.sketch_min_samples); attacked as if it did"
+            )
         t = c.threshold_db
         if self.attack_db is not None:
             db = self.attack_db
@@ -172,6 +178,7 @@ class SketchAuditReport:
             "null_db": [float(v) for v in self.null_db],
             "cost": self.cost,
             "labels_right": self.labels_right,
+            "refused_below": self.refused_below,
             "distribution": None if self.distribution is None else vars(self.distribution),
             "skipped": self.skipped,
         }
@@ -289,7 +296,7 @@ def run_sketch_audit(
 ) -> SketchAuditReport:
     """Sketch ``config.samples`` of the device's examples as the device would, and attack the sketch."""
     from fedsdk.model import OnnxModel
-    from fedsdk.pipeline import make_sketch
+    from fedsdk.pipeline import make_sketch, sketch_min_samples
     from fedsdk_coordinator.models import build_graphs, init_params, preset
 
     say = progress or (lambda _m: None)
@@ -307,12 +314,15 @@ def run_sketch_audit(
     base = [np.asarray(w, np.float32) for w in init_params(spec, seed=c.seed)]
     task = {"sketch_dim": dim, "sketch_seed": c.sketch_seed, "dp_epsilon": c.dp_epsilon, "dp_clip": c.clip}
     task["dp_delta"] = c.dp_delta
+    least = sketch_min_samples(task, int(np.prod(spec.input_shape)))
     say(f"the device's sketch: {n} samples, {dim} values")
-    sketch = make_sketch(model, base, xs, ys, task, rng=rng).astype(np.float32)  # float32 as sent
+    # made even where the device would refuse it (too few samples without noise): that is what is measured
+    sketch = make_sketch(model, base, xs, ys, {**task, "sketch_min_samples": 1}, rng=rng).astype(np.float32)
     flat = xs.reshape(n, -1)
     pub_x = np.asarray(public_x, np.float32).reshape((-1, *spec.input_shape))
     null = null_scores(flat, pub_x[: c.null_samples].reshape(-1, flat.shape[1]), hi - lo)
     report = SketchAuditReport(c, n, len(np.asarray(y)), dim, c.noise_sigma(n), null)
+    report.refused_below = least if c.dp_epsilon <= 0 and n < least else None
     need_units = c.devices > 0 or (c.inversion and c.labels == "estimated")
     units = np.zeros((0, dim))
     if need_units:
