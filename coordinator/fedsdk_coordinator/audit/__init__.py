@@ -3,7 +3,8 @@
 The attacks see only the plaintext part of the update (what the coordinator sees) and are scored against the
 truth: analytic reconstruction of the first fully connected layer's input, label restoration from the last
 layer (iDLG / iLRG), optimisation-based inversion (Inverting Gradients, with the optional PyTorch), and the
-encryption mask itself read as an image (a side channel of magnitude-ranked masks).
+encryption mask itself read as an image (a side channel of magnitude-ranked masks). The clustering sketch a
+device sends in the first round is attacked too (``sketch``, ``sketchaudit``).
 Protection is measured, not assumed. See ``docs/audit.md``.
 
 The analytic attack and the image metrics are the device's (``fedsdk.audit``: its self-audit runs them before
@@ -67,6 +68,8 @@ from fedsdk_coordinator.audit.sent import (
     run_sent_audit,
     score_samples,
 )
+from fedsdk_coordinator.audit.sketch import SketchInversion, SketchInversionConfig, invert_sketch
+from fedsdk_coordinator.audit.sketchaudit import SketchAuditConfig, SketchAuditReport, run_sketch_audit
 
 __all__ = [
     "ATTACKS",
@@ -87,6 +90,10 @@ __all__ = [
     "SentAuditConfig",
     "SentAuditReport",
     "SingleStep",
+    "SketchAuditConfig",
+    "SketchAuditReport",
+    "SketchInversion",
+    "SketchInversionConfig",
     "VisibleGradient",
     "capped_mean",
     "device_mask",
@@ -97,6 +104,7 @@ __all__ = [
     "invert_gradients",
     "invert_linear",
     "invert_local_training",
+    "invert_sketch",
     "label_scores",
     "last_linear",
     "layer_input",
@@ -112,6 +120,7 @@ __all__ = [
     "restore_labels",
     "run_audit",
     "run_sent_audit",
+    "run_sketch_audit",
     "score_samples",
     "sign_label",
     "single_step",

@@ -3,7 +3,9 @@
 Without ``--sent``: the worst case, a single-step update of ``--batch-size`` samples, every attack. With
 ``--sent``: the update a device really sends (the federation's local training on ``--data``, or on device
 ``--device`` of the label-skew demo, its real mask, pack size and noise), attacked at the first layer and
-scored per sample against a null attacker (``fedsdk_coordinator.audit.sent``).
+scored per sample against a null attacker (``fedsdk_coordinator.audit.sent``). ``--attacks sketch``: the
+sensitivity sketch the device sends for clustering (of ``--sketch-samples`` of the same data), inverted and
+scored the same way (``fedsdk_coordinator.audit.sketchaudit``); other attacks named with it run as well.
 
 Exit codes: 0 the audit ran (whatever it found); 1 with ``--check`` when a ``NOT PROTECTED:`` line was
 printed; 2 bad options. See docs/audit.md.
@@ -54,7 +56,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--budget", type=float, default=None, help="the device's budget α (default 0.1; with --sent 1.0)"
     )
-    g = p.add_argument_group("the update a device really sends (--sent)")
+    g = p.add_argument_group("the update a device really sends (--sent), and its data (--sent, sketch)")
     g.add_argument("--sent", action="store_true", help="attack the real multi-step update, masked as sent")
     g.add_argument(
         "--data", metavar="FILE", help="the device's .npz (x, y); default: a label-skew demo device"
@@ -97,9 +99,31 @@ def add_parser(sub: Any) -> None:
         "--attacks",
         type=_names,
         default=None,
-        help=f"comma-separated subset of {','.join(ATTACKS)} (default: all; with --sent: "
-        "analytic,labels,dlg; dlg needs PyTorch)",
+        help=f"comma-separated subset of {','.join(ATTACKS)},sketch (default: {','.join(ATTACKS)}; with "
+        "--sent: analytic,labels,dlg; dlg and sketch need PyTorch)",
     )
+    k = p.add_argument_group("the clustering sketch (--attacks sketch)")
+    k.add_argument(
+        "--sketch-dim", type=int, default=None, help="sketch values (default: 128; 32 with --dp-epsilon)"
+    )
+    k.add_argument(
+        "--sketch-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="samples behind the sketch, taken from the device's data (default: all of them, at most 256)",
+    )
+    k.add_argument(
+        "--sketch-labels",
+        choices=["known", "estimated"],
+        default="known",
+        help="the attacker is given the labels (known, the worst case) or reads them off the sketch",
+    )
+    k.add_argument(
+        "--dp-epsilon", type=float, default=0.0, help="per-example DP of the sketch, as the coordinator's"
+    )
+    k.add_argument("--sketch-iterations", type=int, default=2000, help="inversion iterations (default 2000)")
+    k.add_argument("--sketch-restarts", type=int, default=4, help="inversion random starts (default 4)")
     p.add_argument("--sweep", action="store_true", help="also sweep encrypted ratios for each metric")
     p.add_argument(
         "--ratios",
@@ -142,10 +166,10 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], protected: bool) -> i
     return 1 if args.check and not protected else 0
 
 
-def run_sent(args: argparse.Namespace) -> int:
+def _device_data(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, tuple[float, float] | None]:
+    """The device's samples (``--data``, or demo device ``--device``), the public ones (``--public``, or the
+    held-out digits) and the value range (None: the data's own)."""
     from fedsdk.model.data import load_digits, load_npz, partition_label_skew
-    from fedsdk_coordinator.audit import SentAuditConfig, run_sent_audit
-    from fedsdk_coordinator.audit.sent import SENT_ATTACKS
 
     digits = load_digits(shape="flat")
     if args.data:
@@ -157,7 +181,39 @@ def run_sent(args: argparse.Namespace) -> int:
         part = partition_label_skew(digits.y_train, 8, n_groups=4, seed=0)
         idx = part.indices[args.device]
         x, y, value_range = digits.x_train[idx], digits.y_train[idx], (0.0, 1.0)
-    public = load_npz(args.public)[0] if args.public else digits.x_test
+    public_x, public_y = load_npz(args.public) if args.public else (digits.x_test, digits.y_test)
+    return x, y, public_x, public_y, value_range
+
+
+def run_sketch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The sketch audit: print its lines; its JSON document and whether it found nothing."""
+    from fedsdk_coordinator.audit.sketchaudit import SketchAuditConfig, run_sketch_audit
+
+    x, y, public_x, public_y, value_range = _device_data(args)
+    config = SketchAuditConfig(
+        model=args.model,
+        dim=args.sketch_dim,
+        samples=args.sketch_samples,
+        dp_epsilon=args.dp_epsilon,
+        labels=args.sketch_labels,
+        seed=args.seed,
+        null_samples=args.null_samples,
+        iterations=args.sketch_iterations,
+        restarts=args.sketch_restarts,
+    )
+    with step("audit of the clustering sketch"):
+        report = run_sketch_audit(
+            config, x, y, public_x, public_y, value_range=value_range, progress=log.info
+        )
+    print("\n".join(report.lines()))
+    return report.to_dict(), report.protected
+
+
+def run_sent(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    from fedsdk_coordinator.audit import SentAuditConfig, run_sent_audit
+    from fedsdk_coordinator.audit.sent import SENT_ATTACKS
+
+    x, y, public, _, value_range = _device_data(args)
     config = SentAuditConfig(
         model=args.model,
         budget=1.0 if args.budget is None else args.budget,
@@ -176,15 +232,32 @@ def run_sent(args: argparse.Namespace) -> int:
     with step(f"audit of the sent update ({', '.join(config.attacks)})"):
         report = run_sent_audit(config, x, y, public, value_range=value_range, progress=log.info)
     print("\n".join(report.lines()))
-    return _finish(args, report.to_dict(), report.protected)
+    return report.to_dict(), report.protected
 
 
 def run(args: argparse.Namespace) -> int:
+    """The sketch audit when ``--attacks`` names ``sketch``, and the update's audit (``--sent`` or not) for
+    the other attacks, or all of them when ``--attacks`` is not given. One JSON document (with both, the
+    update's with the sketch's under ``"sketch"``) and one exit code."""
+    attacks = None if args.attacks is None else tuple(args.attacks)
+    sketch: dict[str, Any] | None = None
+    ok = True
+    if attacks is not None and "sketch" in attacks:
+        sketch, ok = run_sketch(args)
+        attacks = tuple(a for a in attacks if a != "sketch")
+        if not attacks:
+            return _finish(args, sketch, ok)
+        args.attacks = attacks
+    doc, update_ok = run_sent(args) if args.sent else run_update(args)
+    if sketch is not None:
+        doc = {**doc, "sketch": sketch, "protected": ok and update_ok}
+    return _finish(args, doc, ok and update_ok)
+
+
+def run_update(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     from fedsdk.masking import MaskConfig
     from fedsdk_coordinator.audit import ATTACKS, AuditConfig, InversionConfig, format_report, run_audit
 
-    if args.sent:
-        return run_sent(args)
     if args.budget is None:
         args.budget = 0.1
 
@@ -208,4 +281,4 @@ def run(args: argparse.Namespace) -> int:
     with step(f"audit ({', '.join(config.attacks)}{', sweep' if args.sweep else ''})"):
         report = run_audit(config, sweep=args.sweep, progress=log.info)
     print(format_report(report))
-    return _finish(args, report.to_dict(), report.protected)
+    return report.to_dict(), report.protected
