@@ -50,7 +50,7 @@ LABELS = ("known", "estimated")
 @dataclass(frozen=True)
 class SketchAuditConfig:
     model: str = "mlp"
-    dim: int | None = None  # None: the coordinator's default (128; 32 with DP)
+    dim: int | None = None  # None: the coordinator's default (RoundConfig.sketch_size: 256; 32 with DP)
     samples: int | None = None  # None: all the device's (at most 256 are sketched)
     dp_epsilon: float = 0.0
     dp_delta: float = 1e-5

@@ -28,6 +28,7 @@ from fedsdk_coordinator.audit.sketchaudit import (
     run_sketch_audit,
     score_distribution,
 )
+from fedsdk_coordinator.engine.config import SKETCH_DIM, SKETCH_DIM_DP
 
 DIM, SEED = 128, 1
 CONFIG = {"sketch_dim": DIM, "sketch_seed": SEED, "sketch_min_samples": 1}  # as a device without the minimum
@@ -109,17 +110,21 @@ def test_the_report_counts_and_says_not_protected(mlp_preset: Preset) -> None:
     report = run_sketch_audit(
         config, p.data.x_train[:50], p.data.y_train[:50], p.data.x_test, p.data.y_test, value_range=(0.0, 1.0)
     )
-    assert report.samples == 1 and report.dim == 128 and report.attack_db is not None
+    assert report.samples == 1 and report.dim == SKETCH_DIM and report.attack_db is not None
     assert report.recovered == score_samples(report.attack_db, report.null_db, 25.0) == 1
     lines = report.lines()
-    assert report.refused_below == 8 and "a device refuses to send this sketch (fewer than 8" in lines[1]
+    below = -(-4 * SKETCH_DIM // 64)  # n·d ≥ 4·dim for 64-pixel digits
+    assert (
+        report.refused_below == below
+        and f"a device refuses to send this sketch (fewer than {below}" in lines[1]
+    )
     assert lines[-1].startswith("NOT PROTECTED: sketch: 1 of 1 local samples recovered")
     assert report.to_dict()["protected"] is False
 
 
 def test_with_dp_the_dimension_and_noise_follow_the_coordinator() -> None:
     config = SketchAuditConfig(dp_epsilon=1.0)
-    assert config.sketch_dim == 32 and SketchAuditConfig().sketch_dim == 128
+    assert config.sketch_dim == SKETCH_DIM_DP and SketchAuditConfig().sketch_dim == SKETCH_DIM
     assert (
         config.noise_sigma(1) > 10 * config.noise_sigma(16) / 2 > 0
         and SketchAuditConfig().noise_sigma(1) == 0
@@ -157,4 +162,4 @@ def test_cli_sketch_attack_json_and_check(tmp_path: Path, capsys: pytest.Capture
     text = capsys.readouterr().out
     assert "NOT PROTECTED: sketch: 1 of 1 local samples" in text and "label distribution" in text
     data = json.loads(out.read_text())
-    assert data["protected"] is False and data["dim"] == 128 and data["samples"] == 1
+    assert data["protected"] is False and data["dim"] == SKETCH_DIM and data["samples"] == 1
