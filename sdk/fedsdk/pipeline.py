@@ -97,8 +97,8 @@ SKETCH_MIN_FACTOR = 4
 
 def sketch_min_samples(config: Mapping[str, Any], input_size: int) -> int:
     """The fewest local samples a device sketches without DP noise: ``sketch_min_samples`` from the task
-    config when it is there, else ``max(2, ⌈SKETCH_MIN_FACTOR · sketch_dim / input_size⌉)`` (8 for the
-    digits' 64 pixels at 128 values, 2 at 32). See :func:`make_sketch` for why."""
+    config when it is there, else ``max(2, ⌈SKETCH_MIN_FACTOR · sketch_dim / input_size⌉)`` (16 for the
+    digits' 64 pixels at 256 values, the default, 2 at 32). See :func:`make_sketch` for why."""
     if "sketch_min_samples" in config:
         return max(1, int(config["sketch_min_samples"]))
     dim = int(config.get("sketch_dim", 32))

@@ -104,7 +104,7 @@ def add_parser(sub: Any) -> None:
     )
     k = p.add_argument_group("the clustering sketch (--attacks sketch)")
     k.add_argument(
-        "--sketch-dim", type=int, default=None, help="sketch values (default: 128; 32 with --dp-epsilon)"
+        "--sketch-dim", type=int, default=None, help="sketch values (default: 256; 32 with --dp-epsilon)"
     )
     k.add_argument(
         "--sketch-samples",
