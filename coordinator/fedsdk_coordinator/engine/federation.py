@@ -47,7 +47,6 @@ class FederationState:
         self.clustering: Clustering | None = None
         self.models: dict[int, list[np.ndarray]] = {}  # each cluster's plaintext model, when held
         self.sketches: dict[str, np.ndarray] = {}
-        self.late_sketches = 0  # sketches of devices that joined after the clustering, since the last one
         self.sketch_round: RoundState | None = None
         self.open_rounds: dict[int, RoundState] = {}  # each cluster's current round
         self.resumed: list[RoundState] = []  # the round in progress when the previous instance stopped
@@ -61,6 +60,13 @@ class FederationState:
         # Devices online when the previous instance stopped: the first round planned after a restart waits
         # for them (up to a deadline) instead of starting with whoever said hello first.
         self.expected: set[str] = set()
+
+    @property
+    def late_sketches(self) -> int:
+        """Sketches of devices that joined after the last (re-)clustering, which does not label them."""
+        if self.clustering is None:
+            return 0
+        return sum(1 for cid in self.sketches if cid not in self.clustering.labels)
 
     def every_open_round(self) -> Iterator[RoundState]:
         """The sketch round if one is open, then each cluster's current round."""

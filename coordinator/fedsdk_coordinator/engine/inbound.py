@@ -201,7 +201,6 @@ class Inbound:
             e.clusters[client_id] = k
             e.store.set_cluster(client_id, k)
             e.sketches[client_id] = vec  # new evidence: the next round may split its cluster (rounds.py)
-            e.late_sketches += 1
             log.info("late device %s joins cluster %d", client_id, k)
         elif client_id in e.online:
             # The sketch round failed for want of sketches and waits to run again: a slow device's sketch

@@ -74,7 +74,6 @@ async def refine_clusters(e: RoundEngine, round_id: int) -> None:
     (:func:`fedsdk_coordinator.clustering.refine`). A new cluster starts from its parent's model: in
     plaintext the coordinator copies its checkpoint; under HE its members already hold it."""
     assert e.clustering is not None
-    e.late_sketches = 0
     previous, sketches, assigned = e.clustering, dict(e.sketches), dict(e.clusters)
     loop = asyncio.get_running_loop()
     new, parents = await loop.run_in_executor(
