@@ -126,8 +126,9 @@ def make_sketch(
     "The clustering sketch"); the default asks n·d ≥ 4·dim. Refusing rather than adding noise: noise that
     hides one sample swamps the sketch, which would make the device an outlier that clustering may put in
     a cluster of its own, where its update is the cluster's aggregate. A refusing device stays without a
-    cluster (the coordinator asks it for a sketch again next round) and trains only in federations without
-    clustering or with DP sketches, where the noise protects every example whatever n is. The refusal
+    cluster and takes no part in the clustered rounds (``tests/integration/test_sketch_refusal.py``); it
+    trains in federations without clustering, or with DP sketches, whose noise protects every example
+    whatever n is. The refusal
     tells the coordinator nothing beyond the sample count its hello announced.
     """
     limit = int(config.get("sketch_samples", 256))
