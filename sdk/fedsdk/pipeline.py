@@ -120,15 +120,17 @@ def make_sketch(
 
     **Too few samples.** Without DP noise (``dp_epsilon`` ≤ 0) the device refuses, with a
     :class:`TrainingError` that names the counts, to sketch fewer than :func:`sketch_min_samples` examples.
-    A sketch of n samples of d input values each is ``dim`` equations in n·d unknowns, all else public: the
-    sketch inversion of ``fedsdk audit --attacks sketch`` recovered every single digit behind a sketch of
-    128 values (n·d = dim/2, 42-80 dB) and most pairs (n·d = dim), and none at n·d ≥ 1.5·dim (docs/audit.md,
-    "The clustering sketch"); the default asks n·d ≥ 4·dim. Refusing rather than adding noise: noise that
-    hides one sample swamps the sketch, which would make the device an outlier that clustering may put in
-    a cluster of its own, where its update is the cluster's aggregate. A refusing device stays without a
-    cluster (the coordinator asks it for a sketch again next round) and trains only in federations without
-    clustering or with DP sketches, where the noise protects every example whatever n is. The refusal
-    tells the coordinator nothing beyond the sample count its hello announced.
+    A sketch of n samples of d input values each is ``dim`` equations in n·d unknowns, all else public. The
+    sketch inversion of ``fedsdk audit --attacks sketch`` (docs/audit.md, "The clustering sketch"; 64-pixel
+    digits) recovered every digit behind one-sample sketches of 128 values (n·d = dim/2) and 13 of 16
+    behind two-sample ones (n·d = dim), none from 3 samples on (n·d ≥ 1.5·dim); at 256 values 9 of 32 at
+    n·d = dim and none at 2·dim; at 32 values none. The default asks n·d ≥ 4·dim. Refusing rather than
+    adding noise: noise that hides one sample swamps the sketch, which would make the device an outlier
+    that clustering may put in a cluster of its own, where its update is the cluster's aggregate. A
+    refusing device stays without a cluster and takes no part in the clustered rounds
+    (``tests/integration/test_sketch_refusal.py``); it trains in federations without clustering, or with
+    DP sketches, whose noise protects every example whatever n is. The refusal tells the coordinator
+    nothing beyond the sample count its hello announced.
     """
     limit = int(config.get("sketch_samples", 256))
     if len(y) > limit:

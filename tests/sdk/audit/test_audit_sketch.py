@@ -163,3 +163,18 @@ def test_cli_sketch_attack_json_and_check(tmp_path: Path, capsys: pytest.Capture
     assert "NOT PROTECTED: sketch: 1 of 1 local samples" in text and "label distribution" in text
     data = json.loads(out.read_text())
     assert data["protected"] is False and data["dim"] == SKETCH_DIM and data["samples"] == 1
+
+
+def test_cli_sketch_with_another_attack_writes_one_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "both.json"
+    args = ["audit", "--attacks", "sketch,labels", "--samples", "1", "--sketch-samples", "16"]
+    args += ["--sketch-iterations", "20", "--sketch-restarts", "1", "--json", str(out), "--check"]
+    assert main(args) == 1  # the labels of a single-step update are restored
+    text = capsys.readouterr().out
+    assert f"sketch: mlp, {SKETCH_DIM} values, 16 local samples (of 216), no DP" in text
+    assert "NOT PROTECTED: label restoration" in text
+    data = json.loads(out.read_text())
+    assert data["protected"] is False and data["rows"][0]["name"] == "no mask"
+    assert data["sketch"]["samples"] == 16 and data["sketch"]["refused_below"] is None
