@@ -296,7 +296,7 @@ def run_sketch_audit(
 ) -> SketchAuditReport:
     """Sketch ``config.samples`` of the device's examples as the device would, and attack the sketch."""
     from fedsdk.model import OnnxModel
-    from fedsdk.pipeline import make_sketch, sketch_min_samples
+    from fedsdk.pipeline import SKETCH_DP_MAX_EPSILON, make_sketch, sketch_min_samples
     from fedsdk_coordinator.models import build_graphs, init_params, preset
 
     say = progress or (lambda _m: None)
@@ -317,12 +317,13 @@ def run_sketch_audit(
     least = sketch_min_samples(task, int(np.prod(spec.input_shape)))
     say(f"the device's sketch: {n} samples, {dim} values")
     # made even where the device would refuse it (too few samples without noise): that is what is measured
-    sketch = make_sketch(model, base, xs, ys, {**task, "sketch_min_samples": 1}, rng=rng).astype(np.float32)
+    sketch = make_sketch(model, base, xs, ys, task, rng=rng, min_samples=1).astype(np.float32)
     flat = xs.reshape(n, -1)
     pub_x = np.asarray(public_x, np.float32).reshape((-1, *spec.input_shape))
     null = null_scores(flat, pub_x[: c.null_samples].reshape(-1, flat.shape[1]), hi - lo)
     report = SketchAuditReport(c, n, len(np.asarray(y)), dim, c.noise_sigma(n), null)
-    report.refused_below = least if c.dp_epsilon <= 0 and n < least else None
+    noisy = 0 < c.dp_epsilon <= SKETCH_DP_MAX_EPSILON
+    report.refused_below = least if not noisy and n < least else None
     need_units = c.devices > 0 or (c.inversion and c.labels == "estimated")
     units = np.zeros((0, dim))
     if need_units:

@@ -31,13 +31,13 @@ from fedsdk_coordinator.audit.sketchaudit import (
 from fedsdk_coordinator.engine.config import SKETCH_DIM, SKETCH_DIM_DP
 
 DIM, SEED = 128, 1
-CONFIG = {"sketch_dim": DIM, "sketch_seed": SEED, "sketch_min_samples": 1}  # as a device without the minimum
+CONFIG = {"sketch_dim": DIM, "sketch_seed": SEED}
 
 
 def test_per_example_sketches_average_to_the_devices_sketch(mlp_preset: Preset) -> None:
     p = mlp_preset
     x, y = p.data.x_train[:5], p.data.y_train[:5]
-    sent = make_sketch(p.model, p.params, x, y, CONFIG)
+    sent = make_sketch(p.model, p.params, x, y, CONFIG, min_samples=1)
     units = unit_sketches(p.model, p.params, x, y, dim=DIM, seed=SEED)
     assert units.shape == (5, DIM)
     np.testing.assert_allclose(np.linalg.norm(units, axis=1), 1.0, rtol=1e-9)
@@ -51,7 +51,7 @@ def test_one_sample_behind_a_sketch_is_recovered(mlp_preset: Preset) -> None:
     pytest.importorskip("torch")
     p = mlp_preset
     x, y = p.data.x_train[2:3], p.data.y_train[2:3]
-    sketch = make_sketch(p.model, p.params, x, y, CONFIG).astype(np.float32)
+    sketch = make_sketch(p.model, p.params, x, y, CONFIG, min_samples=1).astype(np.float32)
     cfg = SketchInversionConfig(iterations=800, restarts=1)
     res = invert_sketch(p.spec, p.params, sketch, 1, dim=DIM, seed=SEED, labels=y, config=cfg)
     assert res.x.shape == (1, 64) and res.x.min() >= 0.0 and res.x.max() <= 1.0
@@ -74,7 +74,7 @@ def test_the_labels_are_read_off_the_sketch(mlp_preset: Preset) -> None:
     # one real training digit: its class comes first
     for i in range(4):
         x, y = p.data.x_train[i : i + 1], p.data.y_train[i : i + 1]
-        sketch = make_sketch(p.model, p.params, x, y, CONFIG)
+        sketch = make_sketch(p.model, p.params, x, y, CONFIG, min_samples=1)
         first = label_candidates(estimate_label_proportions(sketch, means), 1, 2)[0]
         assert first.tolist() == y.tolist()
 
