@@ -155,7 +155,11 @@ def make_sketch(
         raise TrainingError(
             f"sketch withheld: {len(y)} local samples, fewer than the {least} a sketch of {dim} values "
             f"needs without DP noise (samples x {input_size} input values >= {SKETCH_MIN_FACTOR} x {dim})"
-            + (f"; DP epsilon {eps:g} is above {SKETCH_DP_MAX_EPSILON:g}, too little noise" if eps > 0 else "")
+            + (
+                f"; DP epsilon {eps:g} is above {SKETCH_DP_MAX_EPSILON:g}: too little noise"
+                if eps > 0
+                else ""
+            )
             + "; a coordinator could reconstruct them from it. Use DP sketches (dp_epsilon <= "
             f"{SKETCH_DP_MAX_EPSILON:g}) or more data"
         )

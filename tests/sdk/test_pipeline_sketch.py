@@ -25,7 +25,9 @@ def test_the_minimum_follows_the_sketch_size_and_the_input_size() -> None:
     assert sketch_min_samples({"sketch_dim": 32}, 64) == 2
     assert sketch_min_samples({"sketch_dim": 256}, 64) == 16
     assert sketch_min_samples({"sketch_dim": 128}, 784) == 2  # never below 2
-    assert sketch_min_samples({"sketch_dim": 128, "sketch_min_samples": 12}, 64) == 12  # the task may raise it
+    assert (
+        sketch_min_samples({"sketch_dim": 128, "sketch_min_samples": 12}, 64) == 12
+    )  # the task may raise it
     assert sketch_min_samples({"sketch_dim": 128}, 64, floor=1) == 1  # the device's own floor
 
 
@@ -38,7 +40,7 @@ def test_the_coordinator_cannot_lower_the_minimum(
     assert sketch_min_samples({"sketch_dim": 128, "sketch_min_samples": 1}, 64) == 8
     with pytest.raises(TrainingError, match="1 local samples, fewer than the 16"):
         make_sketch(model, w, x[:1], y[:1], {"sketch_dim": 256, "sketch_min_samples": 1})
-    with pytest.raises(TrainingError, match=r"DP epsilon 1e\+06 is above 10, too little noise"):
+    with pytest.raises(TrainingError, match=r"DP epsilon 1e\+06 is above 10: too little noise"):
         make_sketch(model, w, x[:1], y[:1], {"sketch_dim": 256, "dp_epsilon": 1e6})
     assert make_sketch(model, w, x[:1], y[:1], {"sketch_dim": 32, "dp_epsilon": 10.0}).shape == (32,)
 

@@ -33,7 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--per-process", type=int, default=d["per_process"], help="devices per worker process")
     p.add_argument("--rounds", type=int, default=d["rounds"])
     p.add_argument(
-        "--samples", type=int, default=d["samples"], help="digits per device (default %(default)s)"
+        "--samples",
+        type=int,
+        help="digits per device (default 7; with --clustering 16, the fewest a device sketches)",
     )
     p.add_argument("--epochs", type=int, default=d["epochs"])
     p.add_argument("--batch-size", type=int, default=d["batch_size"])

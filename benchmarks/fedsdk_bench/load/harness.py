@@ -31,14 +31,18 @@ import numpy as np
 import psutil
 
 from fedsdk.errors import ConfigError, FedError
+from fedsdk.pipeline import sketch_min_samples
 from fedsdk_bench.load.analysis import analyse, machine_info
 from fedsdk_bench.load.coordinator import CoordinatorSpec, coordinator_main
 from fedsdk_bench.load.devices import WorkerSpec, worker_main
+from fedsdk_coordinator.engine.config import SKETCH_DIM
 from fedsdk_coordinator.mosquitto import LoopbackMosquitto
 
 __all__ = ["LoadConfig", "LoadRunError", "run_load"]
 
 STRATEGIES = ("plaintext", "fedsdk")
+PLAIN_SAMPLES = 7  # digits per device without clustering: one SGD step
+DIGIT_PIXELS = 64
 
 
 class LoadRunError(FedError):
@@ -48,12 +52,15 @@ class LoadRunError(FedError):
 @dataclass(frozen=True)
 class LoadConfig:
     """A load run. Defaults: 200 plaintext devices on plain TCP, 25 per process, one round, 7 samples and
-    one epoch each (one SGD step: 7 samples in batches of 32)."""
+    one epoch each (one SGD step: 7 samples in batches of 32). With ``clustering`` the default is the fewest
+    samples a device sketches at the coordinator's default sketch size (16 digits at 256 values,
+    :func:`fedsdk.pipeline.sketch_min_samples`); fewer are refused, since every device would withhold its
+    sketch."""
 
     devices: int = 200
     per_process: int = 25
     rounds: int = 1
-    samples: int = 7
+    samples: int | None = None
     epochs: int = 1
     batch_size: int = 32
     lr: float = 0.05
@@ -74,12 +81,26 @@ class LoadConfig:
     workdir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.devices < 2 or self.per_process < 1 or self.rounds < 1 or self.samples < 1:
+        least = sketch_min_samples({"sketch_dim": SKETCH_DIM}, DIGIT_PIXELS) if self.clustering else 1
+        if self.samples is None:
+            object.__setattr__(self, "samples", max(PLAIN_SAMPLES, least))
+        if self.devices < 2 or self.per_process < 1 or self.rounds < 1 or self.local_samples < 1:
             raise ConfigError("devices >= 2, per_process >= 1, rounds >= 1 and samples >= 1 required")
+        if self.local_samples < least:
+            raise ConfigError(
+                f"--clustering needs at least {least} samples per device: with fewer, every device refuses "
+                f"its sketch ({SKETCH_DIM} values without DP noise, fedsdk.pipeline.sketch_min_samples)"
+            )
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"load strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if min(self.deadline_s, self.join_timeout_s, self.timeout_s, self.sample_interval_s) <= 0:
             raise ConfigError("deadlines, timeouts and the sampling interval must be positive")
+
+    @property
+    def local_samples(self) -> int:
+        """Digits per device (``samples`` resolved)."""
+        assert self.samples is not None  # resolved in __post_init__
+        return self.samples
 
     @property
     def processes(self) -> int:
@@ -180,7 +201,10 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
     ids = [f"load-{i:04d}" for i in range(config.devices)]
     digits = load_digits(shape="flat")
     slices = dict(
-        zip(ids, _slices(config.devices, config.samples, config.seed, len(digits.y_train), digits.y_train))
+        zip(
+            ids,
+            _slices(config.devices, config.local_samples, config.seed, len(digits.y_train), digits.y_train),
+        )
     )
     pki = make_dev_pki(work / "pki", client_ids=ids) if config.tls else None
     he_coord, he_device = (
