@@ -194,24 +194,38 @@ class FixedPoint:
         return codes, moved
 
 
+def _words(k: int, slot_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot: the 64-bit word its bits start in, and the bit offset within that word."""
+    offsets = np.arange(k, dtype=np.int64) * slot_bits
+    return offsets // 64, (offsets % 64).astype(np.uint64)
+
+
 def pack_slots(codes: np.ndarray, slot_bits: int) -> list[bytes]:
     """Pack each row of non-negative ``codes`` (shape ``(packs, k)``) into one little-endian integer.
 
     Row ``r`` becomes ``Σ_j codes[r, j] * 2**(slot_bits * j)``, returned as ``ceil(k*slot_bits/8)`` bytes
-    (little-endian). Every code must be below ``2**slot_bits``; callers guarantee it from the headroom bound.
+    (little-endian). Every code must be below ``2**slot_bits`` (at most 63 bits); callers guarantee it from
+    the headroom bound.
+
+    As 64-bit words: slot j starting at bit o lands in word ``o // 64`` shifted left by ``o % 64`` and, for
+    the bits that do not fit, in the next word shifted right by ``64 − o % 64``. Slots' bits are disjoint,
+    so each word is the OR of the parts that land in it, taken over the slots in order (``reduceat``).
     """
     if codes.ndim != 2:
         raise ValueError("codes must be a 2-D array (packs, slots)")
     rows, k = codes.shape
-    nbits = k * slot_bits
-    nbytes = (nbits + 7) // 8
+    nbytes = (k * slot_bits + 7) // 8
+    word, shift = _words(k, slot_bits)
+    starts = np.flatnonzero(np.diff(word, prepend=-1))  # the first slot of every word (slots < 64 bits)
     out: list[bytes] = []
     for start in range(0, rows, _CHUNK_ROWS):
-        chunk = np.ascontiguousarray(codes[start : start + _CHUNK_ROWS], dtype="<u8")
+        chunk = np.ascontiguousarray(codes[start : start + _CHUNK_ROWS], dtype=np.uint64)
         p = chunk.shape[0]
-        bits = np.unpackbits(chunk.view(np.uint8).reshape(p, k, 8), axis=2, bitorder="little")
-        packed = np.packbits(bits[:, :, :slot_bits].reshape(p, nbits), axis=1, bitorder="little")
-        raw = packed.tobytes()
+        words = np.zeros((p, int(word[-1]) + 2), dtype="<u8")
+        words[:, : len(starts)] = np.bitwise_or.reduceat(chunk << shift, starts, axis=1)
+        spill = (chunk >> np.uint64(1)) >> (np.uint64(63) - shift)  # c >> (64 − shift), 0 when shift is 0
+        words[:, 1 : len(starts) + 1] |= np.bitwise_or.reduceat(spill, starts, axis=1)
+        raw = words.view(np.uint8)[:, :nbytes].tobytes()
         out.extend(raw[i * nbytes : (i + 1) * nbytes] for i in range(p))
     return out
 
@@ -226,15 +240,19 @@ def unpack_slots(data: bytes, rows: int, k: int, slot_bits: int) -> np.ndarray:
     nbytes = (nbits + 7) // 8
     if len(data) != rows * nbytes:
         raise EncodingError(f"expected {rows * nbytes} bytes for {rows} packs, got {len(data)}")
-    out = np.empty((rows, k), dtype=np.uint64)
     buf = np.frombuffer(data, dtype=np.uint8).reshape(rows, nbytes)
+    spare = 8 * nbytes - nbits
+    if spare and rows and np.any(buf[:, -1] >> np.uint8(8 - spare)):
+        raise EncodingError("bits set above the slot area: corrupted pack or wrong key")
+    word, shift = _words(k, slot_bits)
+    low = np.uint64((1 << slot_bits) - 1)
+    out = np.empty((rows, k), dtype=np.uint64)
     for start in range(0, rows, _CHUNK_ROWS):
         chunk = buf[start : start + _CHUNK_ROWS]
         p = chunk.shape[0]
-        bits = np.unpackbits(chunk, axis=1, bitorder="little")
-        if bits[:, nbits:].any():
-            raise EncodingError("bits set above the slot area: corrupted pack or wrong key")
-        full = np.zeros((p, k, 64), dtype=np.uint8)
-        full[:, :, :slot_bits] = bits[:, :nbits].reshape(p, k, slot_bits)
-        out[start : start + p] = np.packbits(full, axis=2, bitorder="little").reshape(p, k * 8).view("<u8")
+        padded = np.zeros((p, 8 * (int(word[-1]) + 2)), dtype=np.uint8)
+        padded[:, :nbytes] = chunk
+        words = padded.view("<u8")
+        spill = (words[:, word + 1] << np.uint64(1)) << (np.uint64(63) - shift)  # 0 when shift is 0
+        out[start : start + p] = ((words[:, word] >> shift) | spill) & low
     return out

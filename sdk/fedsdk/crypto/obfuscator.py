@@ -208,6 +208,7 @@ class ObfuscatorFactory:
             salt = self.n.to_bytes(nbytes, "big")
             y = int.from_bytes(_hkdf(secret, salt, _BASE_INFO, nbytes + 16), "big") % self.n
             c["prf_key"] = _hkdf(secret, salt, _PRF_INFO, 32)
+            c["exponent_bytes"] = bits // 8
             c["seed"], c["counter"] = os.urandom(SEED_BYTES), itertools.count()
             bits += SUM_HEADROOM_BITS  # the tables also serve sums of exponents (open)
             c["tp"] = FixedBase(ops, ops.powmod(ops.big(y), c["n"], c["p2"]), c["p2"], bits)
@@ -218,10 +219,10 @@ class ObfuscatorFactory:
 
     def exponent(self, tag: Tag) -> int:
         """α for ``tag``: keyed BLAKE2b of seed | index, ℓ bits (secret primes only)."""
-        c = self._consts()
+        c = self._cache or self._consts()  # called once per obfuscator of every aggregate a device opens
         seed, index = tag
         digest = hashlib.blake2b(
-            seed + index.to_bytes(8, "big"), key=c["prf_key"], digest_size=self.exponent_bits // 8
+            seed + index.to_bytes(8, "big"), key=c["prf_key"], digest_size=c["exponent_bytes"]
         ).digest()
         return int.from_bytes(digest, "big")
 
