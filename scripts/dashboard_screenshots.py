@@ -130,7 +130,7 @@ async def main(out: Path, rounds: int, devices: int, key_bits: int, model: str, 
                 FedClient(
                     url, client_id=f"dev-{i:02d}", federation=fed, insecure=True, probe_bytes=0,
                     data=(digits.x_train[idx], digits.y_train[idx]), he=load_he(device_keys),
-                    eval_data=(digits.x_test[own], digits.y_test[own]),
+                    eval_data=(digits.x_test[own], digits.y_test[own]), personal_epochs=5,
                 )
             )  # fmt: skip
         engine = app[ENGINE]

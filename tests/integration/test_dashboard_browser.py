@@ -6,7 +6,8 @@ The page is loaded once, before any device joins, and never reloaded (a marker s
 survive): what it shows later came from its own polling. Asserted on the page: a malformed frame published
 on a device's upstream topic appears among the rejected messages; a device refusing with a reason that is
 HTML shows that reason as text (no element made from it, no script run); rounds appear in the header and as
-points of each cluster's plot; a device row shows its cluster and its budget; at the end the state is
+points of each cluster's plot, with the devices' personal models beside the federated figure; a device row
+shows its cluster and its budget; at the end the state is
 ``finished``, every round is a point, devices show as gone, and the browser's console holds no error.
 """
 
@@ -83,7 +84,13 @@ async def test_the_dashboard_follows_a_federation_live(tmp_path: Path) -> None:
                 assert await page.count("#devices img") == 0
 
                 clients = digit_devices(
-                    broker, engine, digits, part, he_dir=device_keys, eval_data=(digits.x_test, digits.y_test)
+                    broker,
+                    engine,
+                    digits,
+                    part,
+                    he_dir=device_keys,
+                    eval_data=(digits.x_test, digits.y_test),
+                    personal_epochs=2,
                 )
                 async with contextlib.AsyncExitStack() as stack:
                     for c in clients:
@@ -107,7 +114,9 @@ async def test_the_dashboard_follows_a_federation_live(tmp_path: Path) -> None:
                 await page.until(
                     "d0 gone", lambda: _is(page.text(f"{row} td:nth-child(3)"), "left", prefix=True)
                 )
-                assert "accuracy" in (await page.text("#clusters .card svg.plot text.title") or "")
+                title = await page.text("#clusters .card svg.plot text.title") or ""
+                assert "federated accuracy" in title and "personal models" in title, title
+                assert await page.count("#clusters circle.personal-point") == ROUNDS
                 assert await page.count("#clusters svg.bars rect") >= ROUNDS
                 assert (await page.text("#decision") or "").startswith("statusdecided")
                 assert await page.run("return window.__loaded_once === true && window.__xss === undefined;")

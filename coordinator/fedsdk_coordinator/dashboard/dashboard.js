@@ -112,8 +112,12 @@ async function poll() {
 // -- what the rounds say ------------------------------------------------------------------------------------
 function evaluation(r) {
   // the federated metric (devices' held-out data); the coordinator's own evaluation when none is reported
+  // with personalisation, also the devices' own models on the same held-out data
   for (const name of METRICS) {
-    if (typeof r.metrics[`device_${name}`] === "number") return { name, value: r.metrics[`device_${name}`], own: false };
+    if (typeof r.metrics[`device_${name}`] === "number") {
+      const personal = r.metrics[`device_personal_${name}`];
+      return { name, value: r.metrics[`device_${name}`], own: false, personal: typeof personal === "number" ? personal : null };
+    }
   }
   for (const name of METRICS) {
     if (typeof r.metrics[`test_${name}`] === "number") return { name, value: r.metrics[`test_${name}`], own: true };
@@ -173,7 +177,8 @@ function plot(series, planned) {
   const points = series.filter((p) => p.eval !== null);
   const name = points.length ? points[0].eval.name.replace("_", " ") : "metric";
   const bounded = name !== "mae";
-  const ys = points.map((p) => p.eval.value);
+  const personal = points.filter((p) => typeof p.eval.personal === "number");
+  const ys = [...points.map((p) => p.eval.value), ...personal.map((p) => p.eval.personal)];
   // a share: from 0.5 (or lower, to the lowest point) to 1 with a line every 0.1 or 0.2; an error: from 0
   const yMax = bounded ? 1 : Math.max(1e-9, ...ys) * 1.1;
   const yMin = bounded ? Math.min(0.5, ...ys.map((v) => Math.floor(v * 5) / 5)) : 0;
@@ -195,6 +200,15 @@ function plot(series, planned) {
     const line = points.map((p) => `${x(p.round).toFixed(1)},${y(p.eval.value).toFixed(1)}`).join(" ");
     root.append(svg("polyline", { points: line, fill: "none", stroke: "#2563eb", "stroke-width": 2 }));
   }
+  if (personal.length > 1) {
+    const line = personal.map((p) => `${x(p.round).toFixed(1)},${y(p.eval.personal).toFixed(1)}`).join(" ");
+    root.append(svg("polyline", { points: line, fill: "none", stroke: "#16a34a", "stroke-width": 2, "stroke-dasharray": "5 3" }));
+  }
+  for (const p of personal) {
+    const dot = svg("circle", { cx: x(p.round), cy: y(p.eval.personal), r: 3, fill: "#16a34a", class: "personal-point" });
+    dot.append(svg("title", {}, `round ${p.round}: personal ${name} ${fixed(p.eval.personal, 4)}`));
+    root.append(dot);
+  }
   for (const p of points) {
     const dot = svg("circle", { cx: x(p.round), cy: y(p.eval.value), r: 3.5, fill: "#2563eb", class: "point" });
     dot.append(svg("title", {}, `round ${p.round}: ${name} ${fixed(p.eval.value, 4)}`));
@@ -202,8 +216,9 @@ function plot(series, planned) {
   }
   if (points.length) {
     const lastP = points[points.length - 1];
-    const label = `${points.some((p) => p.eval.own) ? "coordinator's" : "federated"} ${name}: ` +
-      (bounded ? `${(100 * lastP.eval.value).toFixed(1)}%` : fixed(lastP.eval.value, 4));
+    const show = (v) => (bounded ? `${(100 * v).toFixed(1)}%` : fixed(v, 4));
+    const label = `${points.some((p) => p.eval.own) ? "coordinator's" : "federated"} ${name}: ${show(lastP.eval.value)}` +
+      (typeof lastP.eval.personal === "number" ? `, personal models ${show(lastP.eval.personal)}` : "");
     root.append(svg("text", { x: L, y: 12, class: "title" }, label));
   } else {
     root.append(svg("text", { x: L, y: 12, class: "title" }, "no evaluation reported yet"));
