@@ -57,6 +57,7 @@ __all__ = [
     "message_from_he_aggregate",
     "protect",
     "sketch_min_samples",
+    "sketch_noise_protects",
     "unflatten",
 ]
 
@@ -100,6 +101,12 @@ SKETCH_MIN_FACTOR = 4
 #: 6.5 dB, null attacker 11.9 dB); at ε → ∞ the noise vanishes and the digit comes back at 93 dB. A task
 #: asking for a larger ε gets the minimum of a sketch without noise.
 SKETCH_DP_MAX_EPSILON = 10.0
+
+
+def sketch_noise_protects(epsilon: float) -> bool:
+    """Whether DP noise at ``epsilon`` protects each example of a sketch (0 < ε ≤ 10), which waives the
+    sample minimum of :func:`sketch_min_samples`."""
+    return 0 < epsilon <= SKETCH_DP_MAX_EPSILON
 
 
 def sketch_min_samples(config: Mapping[str, Any], input_size: int, *, floor: int | None = None) -> int:
@@ -151,7 +158,7 @@ def make_sketch(
     dim = int(config.get("sketch_dim", 32))
     input_size = int(np.prod(np.shape(x)[1:])) if np.ndim(x) > 1 else 1
     least = sketch_min_samples(config, input_size, floor=min_samples)
-    if not 0 < eps <= SKETCH_DP_MAX_EPSILON and len(y) < least:
+    if not sketch_noise_protects(eps) and len(y) < least:
         raise TrainingError(
             f"sketch withheld: {len(y)} local samples, fewer than the {least} a sketch of {dim} values "
             f"needs without DP noise (samples x {input_size} input values >= {SKETCH_MIN_FACTOR} x {dim})"

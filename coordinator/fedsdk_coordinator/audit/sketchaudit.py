@@ -296,7 +296,7 @@ def run_sketch_audit(
 ) -> SketchAuditReport:
     """Sketch ``config.samples`` of the device's examples as the device would, and attack the sketch."""
     from fedsdk.model import OnnxModel
-    from fedsdk.pipeline import SKETCH_DP_MAX_EPSILON, make_sketch, sketch_min_samples
+    from fedsdk.pipeline import make_sketch, sketch_min_samples, sketch_noise_protects
     from fedsdk_coordinator.models import build_graphs, init_params, preset
 
     say = progress or (lambda _m: None)
@@ -322,8 +322,7 @@ def run_sketch_audit(
     pub_x = np.asarray(public_x, np.float32).reshape((-1, *spec.input_shape))
     null = null_scores(flat, pub_x[: c.null_samples].reshape(-1, flat.shape[1]), hi - lo)
     report = SketchAuditReport(c, n, len(np.asarray(y)), dim, c.noise_sigma(n), null)
-    noisy = 0 < c.dp_epsilon <= SKETCH_DP_MAX_EPSILON
-    report.refused_below = least if not noisy and n < least else None
+    report.refused_below = least if not sketch_noise_protects(c.dp_epsilon) and n < least else None
     need_units = c.devices > 0 or (c.inversion and c.labels == "estimated")
     units = np.zeros((0, dim))
     if need_units:
