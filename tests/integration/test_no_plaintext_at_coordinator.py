@@ -281,6 +281,7 @@ class Run:
     responses_by_endpoint: dict[str, int]
     pool_at_sketch: dict[str, int | None]  # each device's obfuscator pool capacity when it sketched
     pool_known: dict[str, int]  # the values the coordinator's budgets count in each device's pool
+    floor_in_training: dict[str, set[int | None]]  # what each device's pool refilled up to while it trained
 
 
 async def federate(
@@ -371,6 +372,7 @@ async def federate(
                 for t in trainers
             ]
             pool_at_sketch: dict[str, int | None] = {}
+            floor_in_training: dict[str, set[int | None]] = {}
             for c in clients:
 
                 def sketch(task: Any, base: Any, _c: FedClient = c, _sketch: Any = c._sketch) -> Any:
@@ -379,6 +381,13 @@ async def federate(
                     return _sketch(task, base)
 
                 c._sketch = sketch  # type: ignore[method-assign]
+
+                def train(task: Any, base: Any, _c: FedClient = c, _train: Any = c._train_and_protect) -> Any:
+                    pool = getattr(_c._he, "pool", None)
+                    floor_in_training.setdefault(_c.client_id, set()).add(pool and pool._floor)
+                    return _train(task, base)
+
+                c._train_and_protect = train  # type: ignore[method-assign]
             poller = asyncio.create_task(poll())
             try:
                 async with contextlib.AsyncExitStack() as stack:
@@ -421,6 +430,7 @@ async def federate(
         {p: len(r) for p, r in responses.items()},
         pool_at_sketch,
         pool_known,
+        floor_in_training,
     )
 
 
@@ -496,6 +506,7 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
     # trained, and the budgets count what each device's last update said its pool held.
     packs = run.he.num_packs(run.truths[0].values.size)
     assert run.pool_at_sketch == dict.fromkeys(DEVICES, auto_capacity(packs, run.he.keys.key_bits))
+    assert run.floor_in_training == {d: {packs} for d in DEVICES}  # while training: the next update's only
     assert sum(m.metrics["from_pool"] for m in updates) > 0, "no obfuscator came from the pool"
     last = {m.client_id: m for m in sorted(updates, key=lambda m: m.round_id)}
     assert run.pool_known == {c: int(m.metrics["pool_ready"]) * run.he.pack_size for c, m in last.items()}

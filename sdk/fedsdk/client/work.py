@@ -32,6 +32,7 @@ replayed task would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -143,6 +144,15 @@ class Work:
         pool = getattr(he, "pool", None)
         if pool is None or pool.capacity != want:
             he.start_pool(want)
+
+    def quiet_pool(self, base: Base) -> contextlib.AbstractContextManager[object]:
+        """The obfuscator pool held to the next update's obfuscators while the device trains
+        (:meth:`fedsdk.crypto.pool.ObfuscatorPool.quiet`); nothing to hold without a running pool."""
+        he = self.device.he
+        pool = getattr(he, "pool", None)
+        if he is None or pool is None or pool.state != "running":
+            return contextlib.nullcontext()
+        return pool.quiet(he.num_packs(sum(int(b.size) for b in base)))
 
     # -- the model ----------------------------------------------------------------------------
     def base(self, task: Task, phase: str) -> Base:
@@ -448,7 +458,8 @@ class Tasks:
                 return
             pending = Pending(task, base)
             device.pending[task.round_id] = pending
-            msg, record = await loop.run_in_executor(None, steps.train, task, base)
+            with self._work.quiet_pool(base):
+                msg, record = await loop.run_in_executor(None, steps.train, task, base)
         except UpdateWithheld as exc:
             summary.withheld += 1
             log.warning("round %d: %s", task.round_id, exc)

@@ -178,3 +178,29 @@ def test_default_pool_holds_two_updates_within_64_mib() -> None:
     assert big == 2 * 19_231 and big * (3 * 2048 // 8) < AUTO_POOL_MAX_BYTES
     assert auto_capacity(10**6, 4096) * (3 * 4096 // 8) <= AUTO_POOL_MAX_BYTES
     assert auto_capacity(0, 2048) == 1
+
+
+def _settle(pool: ObfuscatorPool, want: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(pool) < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # anything more would have been made by now
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_a_quiet_pool_refills_only_what_the_next_update_needs(keys: PaillierKeys, worker: str) -> None:
+    if worker == "thread" and not HAVE_GMPY2:
+        pytest.skip("thread workers are the default only with gmpy2")
+    with ObfuscatorPool(_factory(keys), 8, worker=worker, batch=1, low_priority=False) as pool:  # type: ignore[arg-type]
+        assert pool.fill(timeout=60)
+        with pool.quiet(3):  # holds 8, then 4, >= 3: nothing is made while the device trains
+            made = pool.produced
+            got = pool.take(4)
+            _settle(pool, 5, timeout=0.5)
+            assert pool.produced == made and len(pool) == 4
+        assert pool.fill(timeout=60) and len(pool) == 8  # the whole refill resumes after training
+        with pool.quiet(5):
+            got += pool.take(8)
+            _settle(pool, 5)  # short of the next update: it refills during training, up to the floor
+            assert len(pool) == 5 if worker == "thread" else len(pool) >= 5
+        assert _valid(keys, got) and len({int(o.x) for o in got}) == 12
