@@ -7,7 +7,10 @@ budgets can aim at the plaintext round time just measured (``--target-round auto
 ``sensecrypt``, then ``maskcrypt`` with its uniform α set to sensecrypt's mean encrypted ratio
 (``--uniform-budget auto``: the same HE work per device on average, spread uniformly; paper 000 §4.2 makes
 the two comparable by equal union size instead, which is only known after a run), then ``plain-he``.
-Writes ``report.md``, ``fleet.json`` and PNG plots into ``--out``.
+``--repeats R`` runs that sequence R times, reversed every other time (:func:`arm_order`), and reports
+each arm's round time as the mean over its repeats: on a shared machine the arm that runs first or second
+can be favoured by drift that has nothing to do with the arm (docs/benchmarks.md), and alternating the
+order cancels it out of the ratio. Writes ``report.md``, ``fleet.json`` and PNG plots into ``--out``.
 
 Exit codes: 0 every arm finished; 1 some arm failed; 2 bad usage.
 """
@@ -77,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-B", type=float, default=None, help="eq. 7's B (paper 000 FMNIST: 1.3)")
     p.add_argument("--mask-C", type=float, default=None, help="eq. 7's C (paper 000 FMNIST: 0.7)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the arms this many times, in reverse order every other time; round times are the mean",
+    )
     p.add_argument("--arm-timeout", type=float, default=7200.0)
     p.add_argument("--out", default=None, help="results folder (default: results/fleet-<time>)")
     p.add_argument(
@@ -100,6 +109,32 @@ def _scenario_names(spec: str) -> list[str]:
     return names
 
 
+def arm_order(arms: list[Arm], repeat: int) -> list[Arm]:
+    """The order of the arms in repeat ``repeat`` (0-based): the module docstring's order, reversed in every
+    odd repeat, so that over an even number of repeats each arm runs as often early as late."""
+    order = sorted(arms, key=lambda a: ORDER.get(a.strategy, 9))
+    return order[::-1] if repeat % 2 else order
+
+
+def _with_references(
+    arm: Arm, done: dict[str, dict[str, Any]], target_round: float | None, uniform_budget: float | None
+) -> Arm:
+    """``arm`` with fedsdk's budget target and maskcrypt's α filled in from the arms already measured."""
+    if arm.strategy == "fedsdk":
+        target = target_round
+        if target is None:
+            ref = [m for m in done.values() if m["strategy"] == "plaintext" and m["mean_round_s"]]
+            target = ref[0]["mean_round_s"] if ref else None
+        arm = replace(arm, target_round_s=target)
+    if arm.strategy == "maskcrypt":
+        alpha = uniform_budget
+        if alpha is None:
+            ref = [m for m in done.values() if m["strategy"] == "sensecrypt" and m["encrypted_ratio"]]
+            alpha = ref[0]["encrypted_ratio"] if ref else None
+        arm = replace(arm, uniform_budget=alpha)
+    return arm
+
+
 def run_scenario(
     sc: Scenario,
     arms: list[Arm],
@@ -108,38 +143,46 @@ def run_scenario(
     *,
     target_round: float | None = None,
     uniform_budget: float | None = None,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Run every arm of one scenario (order in the module docstring); metrics in the order given."""
+    """Run every arm of one scenario ``repeats`` times (order: :func:`arm_order`); metrics in the order
+    given. The references (fedsdk's target, maskcrypt's α) come from the first repeat, so every repeat of
+    an arm runs with the same settings. With several repeats an arm's ``mean_round_s`` is the mean over
+    its repeats (``round_s_by_repeat`` keeps each, ``order_by_repeat`` the position it ran in); every
+    other figure is the first repeat's."""
     files = prepare_data(sc, work, cfg.seed)
     done: dict[str, dict[str, Any]] = {}
-    for arm in sorted(arms, key=lambda a: ORDER.get(a.strategy, 9)):
-        if arm.strategy == "fedsdk":
-            target = target_round
-            if target is None:
-                ref = [m for m in done.values() if m["strategy"] == "plaintext" and m["mean_round_s"]]
-                target = ref[0]["mean_round_s"] if ref else None
-            arm = replace(arm, target_round_s=target)
-        if arm.strategy == "maskcrypt":
-            alpha = uniform_budget
-            if alpha is None:
-                ref = [m for m in done.values() if m["strategy"] == "sensecrypt" and m["encrypted_ratio"]]
-                alpha = ref[0]["encrypted_ratio"] if ref else None
-            arm = replace(arm, uniform_budget=alpha)
-        t0 = time.monotonic()
-        print(
-            f"[{sc.name}] {arm.label}: running ({sc.n_devices} devices, S = {cfg.time_scale:g})", flush=True
-        )
-        result = asyncio.run(run_arm(sc, arm, cfg, work, files))
-        write_json(work / arm.label / "result.json", result)  # raw, for anyone who wants to recompute
-        m = arm_metrics(result)
-        done[arm.label] = m
-        r = m["mean_round_s"]
-        print(
-            f"[{sc.name}] {arm.label}: {m['state']}{' (' + m['error'] + ')' if m['error'] else ''}, "
-            f"mean round {'–' if r is None else f'{r:.3f}'} s, spread {m['spread'] or 0:.2f}, "
-            f"{time.monotonic() - t0:.0f} s",
-            flush=True,
-        )
+    rounds: dict[str, list[float | None]] = {a.label: [] for a in arms}
+    positions: dict[str, list[int]] = {a.label: [] for a in arms}
+    for rep in range(repeats):
+        for pos, arm in enumerate(arm_order(arms, rep)):
+            arm = _with_references(arm, done, target_round, uniform_budget)
+            where = work if rep == 0 else work / f"repeat-{rep + 1}"
+            t0 = time.monotonic()
+            tag = f" (repeat {rep + 1}/{repeats})" if repeats > 1 else ""
+            print(
+                f"[{sc.name}] {arm.label}{tag}: running ({sc.n_devices} devices, S = {cfg.time_scale:g})",
+                flush=True,
+            )
+            result = asyncio.run(run_arm(sc, arm, cfg, where, files))
+            write_json(where / arm.label / "result.json", result)  # raw, for anyone who wants to recompute
+            m = arm_metrics(result)
+            if rep == 0:
+                done[arm.label] = m
+            rounds[arm.label].append(m["mean_round_s"])
+            positions[arm.label].append(pos)
+            r = m["mean_round_s"]
+            print(
+                f"[{sc.name}] {arm.label}{tag}: {m['state']}{' (' + m['error'] + ')' if m['error'] else ''}, "
+                f"mean round {'–' if r is None else f'{r:.3f}'} s, spread {m['spread'] or 0:.2f}, "
+                f"{time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
+    if repeats > 1:
+        for label, m in done.items():
+            m["round_s_by_repeat"], m["order_by_repeat"] = rounds[label], positions[label]
+            got = [r for r in rounds[label] if r is not None]
+            m["mean_round_s"] = sum(got) / len(got) if len(got) == repeats else None
     return [done[a.label] for a in arms]
 
 
@@ -178,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         arms = [parse_arm(s) for s in args.arms.split(",") if s.strip()]
         if len({a.label for a in arms}) != len(arms) or not arms or not names:
             raise ConfigError("give at least one scenario and one arm, each arm once")
+        if args.repeats < 1:
+            raise ConfigError("--repeats must be at least 1")
         target = None if args.target_round == "auto" else float(args.target_round)
         alpha = None if args.uniform_budget == "auto" else float(args.uniform_budget)
         scenarios = [scenario(n, n_devices=args.devices, uplink_scale=args.uplink_scale) for n in names]
@@ -212,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(base, time_scale=args.time_scale or auto_time_scale(sc.n_devices))
         doc["config"] = asdict(cfg)
         metrics = run_scenario(
-            sc, arms, cfg, out / "work" / sc.name, target_round=target, uniform_budget=alpha
+            sc,
+            arms,
+            cfg,
+            out / "work" / sc.name,
+            target_round=target,
+            uniform_budget=alpha,
+            repeats=args.repeats,
         )
         doc["scenarios"].append(
             {

@@ -25,6 +25,9 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{100 * v:.1f}"
 
 
+_ORD = {1: "st", 2: "nd", 3: "rd"}
+
+
 def _scenario_tables(sc: dict[str, Any]) -> list[str]:
     arms: list[dict[str, Any]] = sc["arms"]
     plain = next((a for a in arms if a["strategy"] == "plaintext" and a["mean_round_s"]), None)
@@ -86,6 +89,16 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
         f"{a['label']}: budgets aimed at {a['target_round_s']:.3f} s" for a in arms if a.get("target_round_s")
     ]
     notes += [f"{a['label']}: uniform α = {a['uniform_budget']:.3f}" for a in arms if a.get("uniform_budget")]
+    notes += [
+        f"{a['label']}: round s per repeat "
+        + ", ".join(
+            f"{_f(r)} (run {p + 1}{_ORD.get(p + 1, 'th')})"
+            for r, p in zip(a["round_s_by_repeat"], a["order_by_repeat"])
+        )
+        + "; the table's round s is their mean, its other columns are the first repeat's"
+        for a in arms
+        if a.get("round_s_by_repeat")
+    ]
     notes += [
         f"{a['label']}: {len(set(a['clusters'].values()))} clusters, ARI {_f(a['ari'], '.2f')}, "
         f"sketch round {_f(a['sketch_s'])} s"

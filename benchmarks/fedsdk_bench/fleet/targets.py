@@ -17,7 +17,7 @@ not finish is reported as not applicable rather than passed.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 __all__ = ["Check", "check_targets"]
@@ -60,6 +60,15 @@ def _ratio(scenario: str, arm: str, target: str, num: Any, den: Any, bound: floa
     )
 
 
+def _with_repeats(check: Check, arm: dict[str, Any], ref: dict[str, Any] | None) -> Check:
+    """The ratio check's detail with the ratio of each repeat (runs with ``--repeats``), first order first."""
+    mine, theirs = arm.get("round_s_by_repeat"), ref and ref.get("round_s_by_repeat")
+    if check.value is None or not mine or not theirs or len(mine) != len(theirs):
+        return check
+    each = "/".join("–" if a is None or b is None else f"{a / b:.2f}" for a, b in zip(mine, theirs))
+    return replace(check, detail=f"{check.detail} (mean of {len(mine)} repeats, alternating order: {each})")
+
+
 def check_targets(scenario: str, arms: list[dict[str, Any]]) -> list[Check]:
     """The four checks for every ``fedsdk`` arm of one scenario (module docstring)."""
     checks: list[Check] = []
@@ -75,10 +84,11 @@ def check_targets(scenario: str, arms: list[dict[str, Any]]) -> list[Check]:
                    plain_he and plain_he["mean_round_s"], mine, HE_SPEEDUP, upper=False)
         )  # fmt: skip
         ref = plaintext["label"] if plaintext else "plaintext"
-        checks.append(
-            _ratio(scenario, label, f"fedsdk round ÷ {ref} round ≤",
-                   mine, plaintext and plaintext["mean_round_s"], PLAINTEXT_RATIO, upper=True)
-        )  # fmt: skip
+        ref_s = plaintext and plaintext["mean_round_s"]
+        check = _ratio(
+            scenario, label, f"fedsdk round ÷ {ref} round ≤", mine, ref_s, PLAINTEXT_RATIO, upper=True
+        )
+        checks.append(_with_repeats(check, f, plaintext))
         mc = "n/a" if not maskcrypt or maskcrypt["spread"] is None else f"{maskcrypt['spread']:.2f}"
         pt = "n/a" if not plaintext or plaintext["spread"] is None else f"{plaintext['spread']:.2f}"
         spread = f["spread"] if mine else None
