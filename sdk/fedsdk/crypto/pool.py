@@ -214,12 +214,13 @@ class ObfuscatorPool:
 
         Decision: a thread worker runs the fixed-base power's Python loop under the GIL, which it shares
         with the training loop's Python steps between two onnxruntime calls. Measured on this machine (2
-        cores, model ``mlp``, 2048-bit keys, one process): 40 local epochs cost 4.9 ms of CPU alone and
-        5.9-6.1 ms beside a refilling thread. So the pool fills in the device's idle time (after its update,
-        waiting for the aggregate, between rounds), as DESIGN.md says, unless it holds less than the next
-        update needs: then it goes on refilling during training, because a cold encryption on the critical
-        path costs more than a slower training. A process worker is paused while the pool holds ``floor``
-        (once below, it refills as usual).
+        cores, model ``mlp``, 2048-bit keys, one process, ``benchmarks/pool_training.py``): 40 local epochs
+        cost 4.8 ms of CPU with no pool, 6.0 ms beside a refilling thread and 5.0 ms with the pool quiet.
+        So the pool fills in the device's idle time (after its update, waiting for the aggregate, between
+        rounds), as DESIGN.md says, unless it holds less than the next update needs: then it goes on
+        refilling during training, because a cold encryption on the critical path costs more than a
+        slower training. A process worker is paused while the pool holds ``floor`` (once below, it
+        refills as usual).
         """
         with self._cond:
             self._floor = max(0, int(floor))
