@@ -10,16 +10,17 @@ step is the product's own code path:
 * ``open k packs``: ``decrypt_ranks`` of k ranks (a device's part of the cooperative decryption: 1-5
   packs in the fleet);
 * ``share bundle in``: the bundle of every device's sealed share decoded and each seal opened;
-* ``merge``: ``merge_aggregate``, the 62 plaintexts decoded to the averaged update;
+* ``merge``: ``merge_aggregate``, the union's plaintexts decoded to the averaged update;
 * and, for the other arm, ``plaintext update message`` and ``plaintext aggregate in``.
 
-*Warm*: the step repeated back to back (what a micro-benchmark shows). *Cold*: 64 MiB streamed through
+*Warm*: the step repeated back to back (what a micro-benchmark shows; for ``encrypt`` the pool is
+filled again between repetitions, untimed). *Cold*: 64 MiB streamed through
 the caches before each repetition (this machine's L3 holds 32 MiB), as on a device, where a step runs once
 a round between training and the network. The fleet benchmark multiplies a device's CPU seconds by
 k = time scale × speed factor (up to 45 for its slowest devices), so a cold step of 0.3 ms costs such a
 device 13 ms of its round.
 
-    python benchmarks/he_steps.py [--key-bits 2048] [--devices 20] [--repeats 200] [--json PATH]
+    python benchmarks/he_steps.py [--key-bits 2048] [--model mlp] [--devices 20] [--repeats 200] [--json PATH]
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.devices < 1 or args.repeats < 1:
+        p.error("--devices and --repeats must be at least 1")
 
     spec = preset(args.model)
     shapes = [tuple(w.shape) for w in init_params(spec, 0)]
