@@ -120,17 +120,16 @@ def _with_references(
     arm: Arm, done: dict[str, dict[str, Any]], target_round: float | None, uniform_budget: float | None
 ) -> Arm:
     """``arm`` with fedsdk's budget target and maskcrypt's α filled in from the arms already measured."""
+
+    def measured(strategy: str, key: str) -> Any:
+        """``key`` of the first arm of ``strategy`` already measured, if it has one."""
+        return next((m[key] for m in done.values() if m["strategy"] == strategy and m[key]), None)
+
     if arm.strategy == "fedsdk":
-        target = target_round
-        if target is None:
-            ref = [m for m in done.values() if m["strategy"] == "plaintext" and m["mean_round_s"]]
-            target = ref[0]["mean_round_s"] if ref else None
+        target = target_round if target_round is not None else measured("plaintext", "mean_round_s")
         arm = replace(arm, target_round_s=target)
     if arm.strategy == "maskcrypt":
-        alpha = uniform_budget
-        if alpha is None:
-            ref = [m for m in done.values() if m["strategy"] == "sensecrypt" and m["encrypted_ratio"]]
-            alpha = ref[0]["encrypted_ratio"] if ref else None
+        alpha = uniform_budget if uniform_budget is not None else measured("sensecrypt", "encrypted_ratio")
         arm = replace(arm, uniform_budget=alpha)
     return arm
 
