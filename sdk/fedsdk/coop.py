@@ -7,7 +7,10 @@ pack among the union's encrypted packs, so the split is fixed before the union i
 turns it into the same partition of ranks (:func:`share_ranks`). A device then
 
 1. decrypts its own ranks and publishes them sealed (:class:`fedsdk.crypto.shares.ShareSealer`), which
-   the coordinator relays, unopened, on the cluster topic;
+   the coordinator relays, unopened, on the cluster topic; from the second round on, the openings of its
+   ranks were made while it waited for the aggregate, from the last one (``prepare_openings`` of the
+   packed backend: the same contributors and masks, each contributor's next obfuscator tags), so this
+   step is a few multiplications a pack when the guess holds and an ordinary opening when it does not;
 2. takes the other devices' shares as they arrive, each checked (it authenticates, its packs are in the
    union, it decodes like a decryption of ours would: slot area, W·U bound) or dropped;
 3. waits at most ``share_wait_s`` (task config, default :data:`DEFAULT_WAIT_S`) from the moment it has

@@ -282,6 +282,10 @@ class EmulatedClient(FedClient):
         self._decrypt_s[round_id] = self._decrypt_s.get(round_id, 0.0) + step.emulated_s
         return out
 
+    def _prepare_openings(self, agg: Any, ranks: list[int]) -> int:
+        with self.dilation.step("prepare"):
+            return super()._prepare_openings(agg, ranks)
+
     def _apply(self, agg: Any, pending: Any, sums: list[Any] | None = None) -> dict[str, float]:
         with self.dilation.step("apply") as step:
             out = super()._apply(agg, pending, sums)

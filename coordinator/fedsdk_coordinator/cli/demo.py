@@ -283,7 +283,8 @@ def _print_progress(store: Any, printed: set[tuple[int, int]], total: int) -> No
 
 
 TIMINGS = ("train_s", "sensitivity_s", "mask_s", "encrypt_s", "upload_s", "decrypt_s")
-COOP = ("decrypted_packs", "shared_packs")  # cooperative decryption: packs decrypted here, from the others
+# cooperative decryption: packs decrypted here (of which opened with openings made ahead), from the others
+COOP = ("decrypted_packs", "prepared_packs", "shared_packs")
 # the device's leakage check (fedsdk.leakage), noise on the clear part (fedsdk.noise) and self-audit
 PROTECTION = (
     "leak_rows",
@@ -316,8 +317,7 @@ def _summary(
                 "reply_s",
                 "encrypted_ratio",
                 "test_accuracy",
-                "decrypted_packs",
-                "shared_packs",
+                *COOP,
                 *PROTECTION,
             )
             row = {k: m.get(k) for k in keys}

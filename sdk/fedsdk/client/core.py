@@ -278,6 +278,7 @@ class FedClient:
     async def _on_task(self, task: Task) -> None:
         await self._aggregates.settle()  # the task may build on the model an aggregate being applied makes
         await self._tasks.on_task(task, TaskSteps(self._sketch, self._train_and_protect, self._leak_count))
+        self._decryption.prepare_for(task, self._prepare_openings)
 
     # -- a task's steps, in the executor ------------------------------------------------------
     def _fit(self, task: Task, base: list[np.ndarray]) -> TrainResult:
@@ -304,6 +305,10 @@ class FedClient:
         """Raw decryptions of the ciphertexts of round ``round_id``'s ``agg`` at ``ranks`` (in the executor;
         timed by the caller)."""
         return self._decryption.decrypt_packs(agg, ranks)
+
+    def _prepare_openings(self, agg: HEAggregate, ranks: list[int]) -> int:
+        """Openings of ``ranks`` of the aggregate expected after ``agg``, made ahead (in the executor)."""
+        return self._decryption.prepare_openings(agg, ranks)
 
     def _apply(
         self, agg: Aggregate | EncryptedAggregate, pending: Pending, sums: list[Any] | None = None

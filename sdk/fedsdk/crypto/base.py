@@ -133,6 +133,7 @@ class HEBackend(abc.ABC):
     """
 
     name: ClassVar[str]
+    prepared_opened: int = 0  # ciphertexts opened with openings made ahead (prepare_openings)
     fixed: FixedPoint
 
     # ------------------------------------------------------------------ identity and sizes
@@ -316,6 +317,11 @@ class HEBackend(abc.ABC):
         self._require_secret()
         cts = [self.raw_ciphertext_from_bytes(agg.ciphertexts[int(r)]) for r in ranks]
         return self.raw_decrypt_many(cts)
+
+    def prepare_openings(self, agg: Aggregate, ranks: Sequence[int]) -> int:
+        """Make ahead what decrypting ``ranks`` of the aggregate expected after ``agg`` will need; returns
+        how many ranks were prepared (none here: only a backend that can open early prepares)."""
+        return 0
 
     def merge_aggregate(self, agg: Aggregate, sums: Sequence[Any]) -> np.ndarray:
         """The averaged update from the raw decryptions ``sums`` of the aggregate's ciphertexts (in order,

@@ -46,9 +46,12 @@ and α uniform in ``[0, 2^ℓ)``. Because h is fixed, ``h^α`` is a fixed-base e
   the α are indistinguishable from uniform, which is the case above. With K, any key holder recomputes
   the sum A of the exponents inside an aggregate ciphertext, and :meth:`ObfuscatorFactory.open` removes
   ``h^A`` with the same table instead of phe's two |n|/2-bit exponentiations: about 70 µs against 2 ms per
-  ciphertext at 2048 bits. Whoever holds K can already decrypt, so nothing is given away; the result is
-  checked (``C·h^-A ≡ 1 mod n`` must hold, which a wrong A fails except with negligible probability) and
-  a ciphertext whose tags are missing, wrong or forged by a coordinator is decrypted the classic way.
+  ciphertext at 2048 bits. The powers depend on A only, so a device that can guess the next aggregate's
+  tags makes them ahead (:meth:`ObfuscatorFactory.opening`, ``PackedPaillierBackend.prepare_openings``)
+  and opens with a few multiplications when it arrives (:meth:`ObfuscatorFactory.open_with`, about
+  12 µs). Whoever holds K can already decrypt, so nothing is given away; the result is checked
+  (``C·h^-A ≡ 1 mod n`` must hold, which a wrong A fails except with negligible probability) and a
+  ciphertext whose tags are missing, wrong or forged by a coordinator is decrypted the classic way.
 
 **Classic** (``short=False``): public key only, r uniform in [1, n), ``x = r^n mod n²``, phe's own
 ``raw_encrypt`` exponentiation; with the primes, CRT with Teichmüller lifts: the n-th residues modulo n²
@@ -81,6 +84,7 @@ __all__ = [
     "FixedBase",
     "Obfuscator",
     "ObfuscatorFactory",
+    "Opening",
     "Tag",
     "exponent_bits",
     "pack_coins",
@@ -267,27 +271,55 @@ class ObfuscatorFactory:
 
     def open(self, c: Any, exponent_sum: int) -> int | None:
         """m from ``c = (1 + n·m)·h^A mod n²`` with A = ``exponent_sum`` known, or None if c is not of that
-        form (then decrypt it the classic way).
+        form (then decrypt it the classic way): :meth:`opening` then :meth:`open_with`."""
+        opening = self.opening(exponent_sum)
+        return None if opening is None else self.open_with(c, opening)
+
+    def opening(self, exponent_sum: int) -> Opening | None:
+        """What :meth:`open_with` needs to open any ciphertext whose obfuscators' exponents sum to A =
+        ``exponent_sum``, or None when this factory cannot open (public key only, classic obfuscators) or A
+        is beyond the tables. The expensive half of an opening (two fixed-base powers and two inverses), so
+        it can be made ahead of the ciphertext. Secret: it is derived from the primes and the PRF key."""
+        k = self._consts()
+        if not self.can_open or exponent_sum < 0 or exponent_sum.bit_length() > 8 * len(k["tp"].rows):
+            return None
+        ops: IntOps = k["ops"]
+        halves = []
+        for prime, other, table in (("p", "q", "tp"), ("q", "p", "tq")):
+            p = k[prime]
+            x = k[table].pow(exponent_sum)
+            halves.append((x, x % p, ops.invert(x * k[other] % p, p)))
+        (xp, xp1, ip), (xq, xq1, iq) = halves
+        return Opening(xp, xp1, ip, xq, xq1, iq)
+
+    def open_with(self, c: Any, opening: Opening) -> int | None:
+        """m from ``c = (1 + n·m)·h^A mod n²`` given ``opening`` = :meth:`opening` (A), or None if c is not
+        of that form.
 
         Per prime, with ``x = h^A mod p²``: ``(1 + n)^m ≡ 1 + p·u (mod p²)`` with ``u = q·m mod p``, so
         ``c ≡ x + p·(u·x mod p)``; hence c ≡ x (mod p) must hold (the check), and
         ``m ≡ ((c − x mod p²)/p)·(x·q)^-1 (mod p)``, an inverse modulo p only. CRT joins the two primes.
         """
         k = self._consts()
-        if not self.can_open or exponent_sum < 0 or exponent_sum.bit_length() > 8 * len(k["tp"].rows):
-            return None
-        ops: IntOps = k["ops"]
-        c = ops.big(c)
-        halves = []
-        for prime, square, other, table in (("p", "p2", "q", "tp"), ("q", "q2", "p", "tq")):
-            p, p2 = k[prime], k[square]
-            x = k[table].pow(exponent_sum)
-            if c % p != x % p:
-                return None
-            halves.append((c - x) % p2 // p * ops.invert(x * k[other] % p, p) % p)
-        mp, mq = halves
+        c = k["ops"].big(c)
         p, q = k["p"], k["q"]
+        xp, xp1, ip, xq, xq1, iq = opening
+        if c % p != xp1 or c % q != xq1:
+            return None
+        mp = (c - xp) % k["p2"] // p * ip % p
+        mq = (c - xq) % k["q2"] // q * iq % q
         return int(mp + p * ((mq - mp) * k["pinv_q"] % q))
+
+
+class Opening(NamedTuple):
+    """Per prime r of (p, q): ``x = h^A mod r²``, ``x mod r`` and ``(x·r')^-1 mod r`` (r' the other prime)."""
+
+    xp: Any
+    xp_mod_p: Any
+    inv_p: Any
+    xq: Any
+    xq_mod_q: Any
+    inv_q: Any
 
 
 def pack_coins(tags: Sequence[Tag | None]) -> bytes:

@@ -31,6 +31,7 @@ Plaintext packs travel as ``ceil(k·s/8)`` little-endian bytes; ciphertexts as 2
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -42,11 +43,19 @@ from fedsdk.crypto._intmath import IntOps
 from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.base import Aggregate, Contribution, Encoded, EncodeReport
 from fedsdk.crypto.fixedpoint import FixedPoint, pack_slots, unpack_slots
-from fedsdk.crypto.obfuscator import Obfuscator, Tag, pack_coins, raw_encrypt_with, unpack_coins
+from fedsdk.crypto.obfuscator import (
+    COIN_RUN,
+    Obfuscator,
+    Opening,
+    Tag,
+    pack_coins,
+    raw_encrypt_with,
+    unpack_coins,
+)
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
 from fedsdk.errors import CiphertextError, EncodingError
 
-__all__ = ["PackedPaillierBackend"]
+__all__ = ["PackedPaillierBackend", "next_coins"]
 
 MAX_SLOT_BITS = 63  # slot sums are handled as uint64/int64 when decoding
 
@@ -82,6 +91,7 @@ class PackedPaillierBackend(PaillierFamily):
         self.slots = k
         self._plain_nbytes = (k * s + 7) // 8
         self._plain_limit = 1 << (k * s)
+        self._prepared: _Prepared | None = None
 
     @classmethod
     def generate(
@@ -203,20 +213,60 @@ class PackedPaillierBackend(PaillierFamily):
 
         Where the aggregate names every obfuscator inside a ciphertext (``members`` and ``coins``, key mode
         ``shared``), the sum A of their exponents is recomputed and the ciphertext opened with one
-        fixed-base power (:meth:`ObfuscatorFactory.open`, checked); every other ciphertext, and any whose
-        check fails, is decrypted the classic way (phe's CRT decryption).
+        fixed-base power (:meth:`ObfuscatorFactory.open`, checked), or with an opening made ahead when the
+        aggregate is the one :meth:`prepare_openings` expected; every other ciphertext, and any whose check
+        fails, is decrypted the classic way (phe's CRT decryption).
         """
         self._require_secret()
         ranks = [int(r) for r in ranks]
         cts = [self._ct(agg.ciphertexts[r]) for r in ranks]
-        sums = self._exponent_sums(agg, ranks)
-        opened = (None if a is None else self.factory.open(c, a) for c, a in zip(cts, sums, strict=True))
-        out: list[Any] = list(opened)
+        out: list[Any] = [None] * len(ranks)
+        todo = list(range(len(ranks)))
+        prepared = self._prepared
+        if prepared is not None and prepared.matches(agg):
+            ready = {k for k in todo if ranks[k] in prepared.openings}
+            for k in sorted(ready):
+                out[k] = self.factory.open_with(cts[k], prepared.openings[ranks[k]])
+                self.prepared_opened += out[k] is not None
+            todo = [k for k in todo if k not in ready]  # a prepared opening that failed goes classic
+        sums = self._exponent_sums(agg, [ranks[k] for k in todo]) if todo else []
+        for k, a in zip(todo, sums, strict=True):
+            out[k] = None if a is None else self.factory.open(cts[k], a)
         classic = [k for k, m in enumerate(out) if m is None]
         if classic:
             for k, m in zip(classic, self.decrypt_many([cts[k] for k in classic]), strict=True):
                 out[k] = m
         return out
+
+    def prepare_openings(self, agg: Aggregate, ranks: Sequence[int]) -> int:
+        """Make ahead the openings of ``ranks`` of the aggregate expected after ``agg``, and keep them for
+        :meth:`decrypt_ranks`; returns how many were made.
+
+        Expected: the same contributors and masks, each contributor's next ciphertexts obfuscated by the
+        tags that follow its last run (:func:`next_coins`: a device's pool hands its obfuscators out in
+        the order it made them). An opening depends only on the sum of the exponents in a ciphertext, so
+        the two fixed-base powers and inverses of each can be made while the device would otherwise wait
+        (for its cluster's shares, then training); when the aggregate arrives, opening a pack is a few
+        multiplications. An aggregate that differs in any coin, member or mask bit uses none of them
+        (:meth:`_Prepared.matches`), and a prepared opening that fails its check falls back to phe's
+        decryption, so a wrong guess costs time, never correctness.
+        """
+        if not self.can_decrypt or not self.factory.can_open or not agg.coins:
+            return 0
+        members = np.asarray(agg.members, dtype=bool)
+        if members.ndim != 2 or members.shape[0] != len(agg.coins):
+            return 0
+        counts = members.sum(axis=1).tolist()
+        coins = tuple(next_coins(c, int(k)) for c, k in zip(agg.coins, counts, strict=True))
+        ranks = [int(r) for r in ranks]
+        sums = self._exponent_sums(dataclasses.replace(agg, coins=coins), ranks)
+        openings: dict[int, Opening] = {}
+        for r, a in zip(ranks, sums, strict=True):
+            opening = None if a is None else self.factory.opening(a)
+            if opening is not None:
+                openings[r] = opening
+        self._prepared = _Prepared(coins, members.copy(), np.asarray(agg.mask, dtype=bool).copy(), openings)
+        return len(openings)
 
     def _exponent_sums(self, agg: Aggregate, ranks: list[int]) -> list[int | None]:
         """Per rank, the sum of the exponents of the obfuscators multiplied into that ciphertext, or None
@@ -306,3 +356,31 @@ def _coin_rows(coins: tuple[bytes, ...], counts: tuple[int, ...]) -> tuple[list[
         except CiphertextError:
             rows.append(None)
     return tuple(rows)
+
+
+def next_coins(coins: bytes, count: int) -> bytes:
+    """The coins a contributor whose last ``coins`` are these most likely sends next for ``count``
+    ciphertexts: one run under its last seed, from the index after its last one; empty when unknown."""
+    if count < 1 or not coins or len(coins) % COIN_RUN.size:
+        return b""
+    seed, start, run = COIN_RUN.unpack(coins[-COIN_RUN.size :])
+    if start + run + count > 2**64:
+        return b""
+    return COIN_RUN.pack(seed, start + run, count)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Prepared:
+    """Openings made ahead for an expected aggregate: its coins, members and mask, and rank -> opening."""
+
+    coins: tuple[bytes, ...]
+    members: np.ndarray
+    mask: np.ndarray
+    openings: dict[int, Opening]
+
+    def matches(self, agg: Aggregate) -> bool:
+        return (
+            tuple(agg.coins) == self.coins
+            and np.array_equal(np.asarray(agg.members, dtype=bool), self.members)
+            and np.array_equal(np.asarray(agg.mask, dtype=bool), self.mask)
+        )

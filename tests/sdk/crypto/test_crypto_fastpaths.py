@@ -24,6 +24,7 @@ from fedsdk.crypto.obfuscator import (
     raw_encrypt_with,
     unpack_coins,
 )
+from fedsdk.crypto.packed import next_coins
 from fedsdk.errors import CiphertextError, ValidationError
 from fedsdk.protocol import decode, encode
 from fedsdk.protocol.selective import COIN_RUN_BYTES
@@ -81,6 +82,7 @@ def test_open_with_known_exponents_is_phe_raw_decrypt(
     expected = keys.private_key.raw_decrypt(int(c))
     assert expected == (sum(messages) + plain) % int(keys.n)
     assert one.open(c, total) == expected
+    assert one.open_with(c, one.opening(total)) == expected  # type: ignore[arg-type]
     assert one.open(c, total + 1) is None and one.open(c, 0) is None
 
 
@@ -167,3 +169,60 @@ def test_wire_refuses_coins_that_cannot_name_the_ciphertexts(device: PackedPaill
         dataclasses.replace(msg, coins=msg.coins + b"x")
     with pytest.raises(ValidationError):
         dataclasses.replace(msg, coins=msg.coins * 4)  # more runs than ciphertexts
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(st.binary(min_size=16, max_size=16), st.integers(0, 2**40), st.integers(1, 9)), min_size=1
+    ),
+    count=st.integers(1, 50),
+)
+def test_next_coins_continue_the_last_run(runs: list[tuple[bytes, int, int]], count: int) -> None:
+    tags = [(seed, start + k) for seed, start, n in runs for k in range(n)]
+    seed, last = tags[-1]
+    expected = [(seed, last + 1 + k) for k in range(count)]
+    assert unpack_coins(next_coins(pack_coins(tags), count), count) == expected
+    assert next_coins(b"", count) == b"" and next_coins(pack_coins(tags), 0) == b""
+    assert next_coins(pack_coins(tags)[:-1], count) == b""
+
+
+def test_prepared_openings_open_the_expected_aggregate_and_nothing_else(keys: PaillierKeys) -> None:
+    """Three devices of one key, each with its own obfuscator sequence (as in a fleet): openings prepared
+    from round 1's aggregate open round 2's exactly when contributors and masks stay; otherwise, or when a
+    prepared opening is wrong, decryption is still exact (phe's ``raw_decrypt``) by the other paths."""
+    rng = np.random.default_rng(7)
+    devices = [PackedPaillierBackend(keys, FixedPoint(max_devices=16), parallel=False) for _ in range(3)]
+    coordinator = PackedPaillierBackend(PaillierKeys(int(keys.n)), FixedPoint(max_devices=16), parallel=False)
+    n = 6 * devices[0].pack_size
+    mask = rng.random(6) < 0.7
+    mask[0] = True
+
+    def round_of(masks: list[np.ndarray]) -> tuple[Aggregate, list[int]]:
+        contributions = [d.encrypt_update(rng.normal(0, 0.2, n), 3, m)[0] for d, m in zip(devices, masks)]
+        agg = coordinator.aggregate(contributions)
+        return agg, [keys.private_key.raw_decrypt(int(devices[0]._ct(b))) for b in agg.ciphertexts]
+
+    me = devices[0]
+    try:
+        first, _ = round_of([mask, mask, np.ones(6, dtype=bool)])
+        ranks = list(range(len(first.ciphertexts)))
+        assert me.prepare_openings(first, ranks[1:]) == len(ranks) - 1
+        second, classic = round_of([mask, mask, np.ones(6, dtype=bool)])
+        before = me.prepared_opened
+        assert me.decrypt_ranks(second, ranks) == classic
+        assert me.prepared_opened - before == len(ranks) - 1  # rank 0 was opened the ordinary way
+        assert me.prepare_openings(second, ranks) == len(ranks)
+        third, classic = round_of([mask, ~mask, np.ones(6, dtype=bool)])  # another mask: not the expected one
+        before = me.prepared_opened
+        assert me.decrypt_ranks(third, list(range(len(third.ciphertexts)))) == classic
+        assert me.prepared_opened == before
+        assert me.prepare_openings(third, [0, 1]) == 2
+        me._prepared.openings[0] = me._prepared.openings[1]  # type: ignore[union-attr]  # a wrong opening
+        fourth, classic = round_of([mask, ~mask, np.ones(6, dtype=bool)])
+        assert me.decrypt_ranks(fourth, [0, 1]) == classic[:2]
+        assert me.prepared_opened == before + 1
+        assert coordinator.prepare_openings(fourth, [0]) == 0  # public key only: nothing to prepare
+    finally:
+        for d in devices:
+            d.close()
