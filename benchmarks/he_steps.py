@@ -9,6 +9,9 @@ step is the product's own code path:
 * ``aggregate in``: the aggregate's envelope decoded, turned back into an aggregate and checked;
 * ``open k packs``: ``decrypt_ranks`` of k ranks (a device's part of the cooperative decryption: 1-5
   packs in the fleet);
+* ``prepare 1 pack`` and ``open 1 pack, prepared``: ``prepare_openings`` of one rank from the aggregate
+  before (made while the device waits for the aggregate, off its critical path), then ``decrypt_ranks``
+  of that rank when the expected aggregate arrives;
 * ``share bundle in``: the bundle of every device's sealed share decoded and each seal opened;
 * ``merge``: ``merge_aggregate``, the union's plaintexts decoded to the averaged update;
 * and, for the other arm, ``plaintext update message`` and ``plaintext aggregate in``.
@@ -26,6 +29,7 @@ device 13 ms of its round.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -37,6 +41,7 @@ import numpy as np
 
 from fedsdk import pipeline
 from fedsdk.crypto import generate_backend
+from fedsdk.crypto.obfuscator import COIN_RUN
 from fedsdk.crypto.shares import ShareSealer
 from fedsdk.protocol import Aggregate, DecryptShare, ShareBundle, Update, decode, encode
 from fedsdk_coordinator.models import init_params, preset
@@ -89,11 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         pool.fill(timeout=120)
         pool.pause()  # no refill beside the timed step
 
+    full_pool()
+    he.encrypt_update(updates[0], weight)  # so that every contribution's first tag has one before it
     contribs = []
     for u in updates:
         full_pool()
         contribs.append(he.encrypt_update(u, weight)[0])
     agg = he.aggregate(contribs)
+    # the aggregate before, as a device saw it: each contributor's last tag just before its tags in agg
+    runs = [COIN_RUN.unpack(c) for c in agg.coins]
+    previous = dataclasses.replace(
+        agg, coins=tuple(COIN_RUN.pack(seed, start - 1, 1) for seed, start, _ in runs)
+    )
     agg_env = encode(
         pipeline.message_from_he_aggregate(
             agg, round_id=3, cluster_id=0, total_samples=weight * args.devices, metrics={}
@@ -149,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         ("update message", update_message, None),
         ("aggregate in", aggregate_in, None),
         ("open 1 pack", lambda: he.decrypt_ranks(agg, [0]), None),
+        ("prepare 1 pack", lambda: he.prepare_openings(previous, [0]), None),
+        (
+            "open 1 pack, prepared",
+            lambda: he.decrypt_ranks(agg, [0]),
+            lambda: he.prepare_openings(previous, [0]),
+        ),
         ("open 3 packs", lambda: he.decrypt_ranks(agg, [1, 2, 3]), None),
         (f"share bundle in ({args.devices} seals)", bundle_in, None),
         (f"merge ({packs} packs)", lambda: he.merge_aggregate(agg, sums), None),
@@ -160,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         warm = cpu_ms(step, cold=False, repeats=args.repeats, before=before)
         cold = cpu_ms(step, cold=True, repeats=args.repeats, before=before)
         rows.append({"step": name, "warm_ms": warm, "cold_ms": cold})
+    hits = he.prepared_opened  # the last step left the openings prepared: they must open rank 0 exactly
+    if he.decrypt_ranks(agg, [0]) != sums[:1] or he.prepared_opened != hits + 1:
+        raise SystemExit("the prepared opening was not used or opened wrongly")
     he.close()
 
     print(
@@ -171,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['step']} | {r['warm_ms']:.3f} | {r['cold_ms']:.3f} |")
     if args.json:
         doc = {"model": args.model, "n_values": n_values, "key_bits": args.key_bits, "packs": packs,
-               "devices": args.devices, "rows": rows}  # fmt: skip
+               "devices": args.devices, "prepared_opened": he.prepared_opened, "rows": rows}  # fmt: skip
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
     return 0

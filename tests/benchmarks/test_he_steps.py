@@ -32,5 +32,6 @@ def test_he_steps_reports_every_step(tmp_path: Path, capsys) -> None:
         "open 1 pack" in names and "share bundle in (3 seals)" in names and "plaintext aggregate in" in names
     )
     assert all(r["warm_ms"] > 0 and r["cold_ms"] > 0 for r in doc["rows"])
+    assert "open 1 pack, prepared" in names and doc["prepared_opened"] > 2  # once per repetition, and more
     printed = capsys.readouterr().out
     assert "| open 3 packs |" in printed
