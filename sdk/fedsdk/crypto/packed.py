@@ -246,7 +246,7 @@ class PackedPaillierBackend(PaillierFamily):
         tags that follow its last run (:func:`next_coins`: a device's pool hands its obfuscators out in
         the order it made them). An opening depends only on the sum of the exponents in a ciphertext, so
         the two fixed-base powers and inverses of each can be made while the device would otherwise wait
-        (for its cluster's shares, then training); when the aggregate arrives, opening a pack is a few
+        (its update sent, for the aggregate); when the aggregate arrives, opening a pack is a few
         multiplications. An aggregate that differs in any coin, member or mask bit uses none of them
         (:meth:`_Prepared.matches`), and a prepared opening that fails its check falls back to phe's
         decryption, so a wrong guess costs time, never correctness.
