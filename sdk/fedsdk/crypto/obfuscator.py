@@ -87,6 +87,7 @@ __all__ = [
     "Opening",
     "Tag",
     "exponent_bits",
+    "next_coins",
     "pack_coins",
     "raw_encrypt_with",
     "security_bits",
@@ -348,6 +349,17 @@ def unpack_coins(data: bytes, count: int) -> list[Tag]:
     if len(tags) != count:
         raise CiphertextError(f"coins name {len(tags)} ciphertexts, the contribution holds {count}")
     return tags
+
+
+def next_coins(coins: bytes, count: int) -> bytes:
+    """The coins a contributor whose last ``coins`` are these most likely sends next for ``count``
+    ciphertexts: one run under its last seed, from the index after its last one; empty when unknown."""
+    if count < 1 or not coins or len(coins) % COIN_RUN.size:
+        return b""
+    seed, start, run = COIN_RUN.unpack(coins[-COIN_RUN.size :])
+    if start + run + count > 2**64:
+        return b""
+    return COIN_RUN.pack(seed, start + run, count)
 
 
 def raw_encrypt_with(m: Any, obfuscator: Obfuscator | tuple[Any, ...], n: Any, nsquare: Any) -> Any:

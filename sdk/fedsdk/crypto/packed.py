@@ -44,10 +44,10 @@ from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.base import Aggregate, Contribution, Encoded, EncodeReport
 from fedsdk.crypto.fixedpoint import FixedPoint, pack_slots, unpack_slots
 from fedsdk.crypto.obfuscator import (
-    COIN_RUN,
     Obfuscator,
     Opening,
     Tag,
+    next_coins,
     pack_coins,
     raw_encrypt_with,
     unpack_coins,
@@ -55,7 +55,7 @@ from fedsdk.crypto.obfuscator import (
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
 from fedsdk.errors import CiphertextError, EncodingError
 
-__all__ = ["PackedPaillierBackend", "next_coins"]
+__all__ = ["PackedPaillierBackend"]
 
 MAX_SLOT_BITS = 63  # slot sums are handled as uint64/int64 when decoding
 
@@ -224,11 +224,11 @@ class PackedPaillierBackend(PaillierFamily):
         todo = list(range(len(ranks)))
         prepared = self._prepared
         if prepared is not None and prepared.matches(agg):
-            ready = {k for k in todo if ranks[k] in prepared.openings}
-            for k in sorted(ready):
-                out[k] = self.factory.open_with(cts[k], prepared.openings[ranks[k]])
-                self.prepared_opened += out[k] is not None
-            todo = [k for k in todo if k not in ready]  # a prepared opening that failed goes classic
+            for k in todo:
+                if ranks[k] in prepared.openings:
+                    out[k] = self.factory.open_with(cts[k], prepared.openings[ranks[k]])
+                    self.prepared_opened += out[k] is not None
+            todo = [k for k in todo if ranks[k] not in prepared.openings]  # a failed one goes classic
         sums = self._exponent_sums(agg, [ranks[k] for k in todo]) if todo else []
         for k, a in zip(todo, sums, strict=True):
             out[k] = None if a is None else self.factory.open(cts[k], a)
@@ -356,17 +356,6 @@ def _coin_rows(coins: tuple[bytes, ...], counts: tuple[int, ...]) -> tuple[list[
         except CiphertextError:
             rows.append(None)
     return tuple(rows)
-
-
-def next_coins(coins: bytes, count: int) -> bytes:
-    """The coins a contributor whose last ``coins`` are these most likely sends next for ``count``
-    ciphertexts: one run under its last seed, from the index after its last one; empty when unknown."""
-    if count < 1 or not coins or len(coins) % COIN_RUN.size:
-        return b""
-    seed, start, run = COIN_RUN.unpack(coins[-COIN_RUN.size :])
-    if start + run + count > 2**64:
-        return b""
-    return COIN_RUN.pack(seed, start + run, count)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -20,11 +20,11 @@ from fedsdk.crypto.obfuscator import (
     COIN_RUN,
     FixedBase,
     exponent_bits,
+    next_coins,
     pack_coins,
     raw_encrypt_with,
     unpack_coins,
 )
-from fedsdk.crypto.packed import next_coins
 from fedsdk.errors import CiphertextError, ValidationError
 from fedsdk.protocol import decode, encode
 from fedsdk.protocol.selective import COIN_RUN_BYTES
