@@ -71,7 +71,7 @@ class Decryption:
     def __init__(self, device: DeviceState) -> None:
         self.device = device
         self._sealer: ShareSealer | None = None
-        self._last: tuple[int, HEAggregate] | None = None  # cluster and aggregate last shared out
+        self._last: tuple[int, HEAggregate] | None = None  # cluster and aggregate last decrypted together
         self._preparing: set[asyncio.Future[int]] = set()
 
     def decrypt_packs(self, agg: HEAggregate, ranks: list[int]) -> list[Any]:
@@ -89,8 +89,9 @@ class Decryption:
     def prepare_for(self, task: Task, prepare: Callable[[HEAggregate, list[int]], int]) -> None:
         """Once ``task``'s update is sent, while the device waits for the aggregate: ``prepare`` (in the
         executor) the openings of this device's part of that aggregate, assuming it looks like the last
-        one this device shared out (``PackedPaillierBackend.prepare_openings``). :meth:`decrypt` waits for
-        it (it is the work decrypting would do); a failure is only logged.
+        one this device decrypted with its cluster, even with an empty part of its own
+        (``PackedPaillierBackend.prepare_openings``). :meth:`decrypt` waits for it (it is the work
+        decrypting would do); a failure is only logged.
 
         Decision: after the upload and not beside training, so that on a device with one free core the
         round's critical path (training, encryption) never shares it; measured in the fleet benchmark,
@@ -247,7 +248,9 @@ class Decryption:
             await self._send_share(
                 agg, sealer, union[a:b].astype(np.int32), [got[r] for r in range(a, b)], steps.publish
             )
-            self._last = (agg.cluster_id, hagg)
+        # what the next round's openings are guessed from, also when this round's part was empty: a guess
+        # from an older aggregate names coins the contributors have used since, and opens nothing
+        self._last = (agg.cluster_id, hagg)
         rank_of = {int(p): r for r, p in enumerate(union)}
         from_peers = 0
         t_wait = time.perf_counter()
