@@ -353,13 +353,34 @@ def unpack_coins(data: bytes, count: int) -> list[Tag]:
 
 def next_coins(coins: bytes, count: int) -> bytes:
     """The coins a contributor whose last ``coins`` are these most likely sends next for ``count``
-    ciphertexts: one run under its last seed, from the index after its last one; empty when unknown."""
+    ciphertexts; empty when unknown.
+
+    A device takes its obfuscators from its pool first, in the order the pool made them, and makes
+    whatever the pool lacks itself: a thread worker shares the device's seed and counter, so those come
+    after the indices the worker had already reserved, which the pool then hands out first; a process
+    worker has a seed of its own. Either way the pool's sequence is the first run's seed: the guess is the
+    indices of that seed after the first run that no run used (the worker's reserved ones), then the
+    indices after the highest one used under that seed. With one run (a pool that kept up) that is the
+    run's continuation. A pool that gave nothing at all (the first run already the device's own) is
+    guessed wrong, which costs the next aggregate its prepared openings, never correctness.
+    """
     if count < 1 or not coins or len(coins) % COIN_RUN.size:
         return b""
-    seed, start, run = COIN_RUN.unpack(coins[-COIN_RUN.size :])
-    if start + run + count > 2**64:
+    runs = list(COIN_RUN.iter_unpack(coins))
+    seed, first, length = runs[0]
+    used = sorted((start, start + run) for s, start, run in runs if s == seed)
+    tags: list[Tag] = []
+    pos = first + length
+    for start, end in used:
+        while pos < start and len(tags) < count:  # skipped by this seed: the worker's reserved indices
+            tags.append((seed, pos))
+            pos += 1
+        pos = max(pos, end)
+    top = max(end for _, end in used)
+    if top + count - len(tags) > 2**64:
         return b""
-    return COIN_RUN.pack(seed, start + run, count)
+    tags.extend((seed, top + k) for k in range(count - len(tags)))
+    return pack_coins(tags)
 
 
 def raw_encrypt_with(m: Any, obfuscator: Obfuscator | tuple[Any, ...], n: Any, nsquare: Any) -> Any:

@@ -243,13 +243,14 @@ class PackedPaillierBackend(PaillierFamily):
         :meth:`decrypt_ranks`; returns how many were made.
 
         Expected: the same contributors and masks, each contributor's next ciphertexts obfuscated by the
-        tags that follow its last run (:func:`next_coins`: a device's pool hands its obfuscators out in
-        the order it made them). An opening depends only on the sum of the exponents in a ciphertext, so
-        the two fixed-base powers and inverses of each can be made while the device would otherwise wait
-        (its update sent, for the aggregate); when the aggregate arrives, opening a pack is a few
-        multiplications. An aggregate that differs in any coin, member or mask bit uses none of them
-        (:meth:`_Prepared.matches`), and a prepared opening that fails its check falls back to phe's
-        decryption, so a wrong guess costs time, never correctness.
+        tags its pool hands out next (:func:`next_coins`: a pool hands its obfuscators out in the order it
+        made them, also after a round whose update the device finished with obfuscators of its own). An
+        opening depends only on the sum of the exponents in a ciphertext, so the two fixed-base powers and
+        inverses of each can be made while the device would otherwise wait (its update sent, for the
+        aggregate); when the aggregate arrives, opening a pack is a few multiplications. An aggregate that
+        differs in any coin, member or mask bit uses none of them (:meth:`_Prepared.matches`), and a
+        prepared opening that fails its check falls back to phe's decryption, so a wrong guess costs time,
+        never correctness.
         """
         if not self.can_decrypt or not self.factory.can_open or not agg.coins:
             return 0

@@ -171,6 +171,33 @@ def test_wire_refuses_coins_that_cannot_name_the_ciphertexts(device: PackedPaill
         dataclasses.replace(msg, coins=msg.coins * 4)  # more runs than ciphertexts
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    start=st.integers(0, 2**40),
+    taken=st.integers(1, 30),
+    reserved=st.integers(0, 2),
+    made=st.integers(0, 30),
+    same_seed=st.booleans(),
+    count=st.integers(1, 50),
+)
+def test_next_coins_follow_the_pool(
+    start: int, taken: int, reserved: int, made: int, same_seed: bool, count: int
+) -> None:
+    """A round's obfuscators: ``taken`` from the pool, ``reserved`` more in its worker's hands, ``made``
+    by the device itself (a thread worker's seed and counter, or a seed of its own as beside a process
+    worker). The next round's, all from the pool: the reserved ones, then the worker's next."""
+    pool, own = b"p" * 16, b"p" * 16 if same_seed else b"o" * 16
+    first = [(pool, start + k) for k in range(taken)]
+    resume = start + taken + reserved
+    if same_seed:
+        mine = [(own, resume + k) for k in range(made)]
+        resume += made
+    else:
+        mine = [(own, 7 + k) for k in range(made)]
+    after = [(pool, start + taken + k) for k in range(reserved)] + [(pool, resume + k) for k in range(count)]
+    assert unpack_coins(next_coins(pack_coins(first + mine), count), count) == after[:count]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     runs=st.lists(
@@ -178,11 +205,13 @@ def test_wire_refuses_coins_that_cannot_name_the_ciphertexts(device: PackedPaill
     ),
     count=st.integers(1, 50),
 )
-def test_next_coins_continue_the_last_run(runs: list[tuple[bytes, int, int]], count: int) -> None:
+def test_next_coins_stay_under_the_first_seed(runs: list[tuple[bytes, int, int]], count: int) -> None:
     tags = [(seed, start + k) for seed, start, n in runs for k in range(n)]
-    seed, last = tags[-1]
-    expected = [(seed, last + 1 + k) for k in range(count)]
-    assert unpack_coins(next_coins(pack_coins(tags), count), count) == expected
+    guess = unpack_coins(next_coins(pack_coins(tags), count), count)
+    seed = tags[0][0]
+    assert len(guess) == count and len(set(guess)) == count
+    assert all(s == seed for s, _ in guess) and not set(guess) & set(tags)
+    assert all(i > tags[0][1] for _, i in guess)
     assert next_coins(b"", count) == b"" and next_coins(pack_coins(tags), 0) == b""
     assert next_coins(pack_coins(tags)[:-1], count) == b""
 
