@@ -99,7 +99,7 @@ class Decryption:
         """
         last = self._last
         if last is None or last[0] != task.cluster_id or task.round_id not in self.device.pending:
-            return  # nothing shared out before in this cluster, or no update sent for this task
+            return  # nothing decrypted with this cluster before, or no update sent for this task
         ranks = share_ranks(task.config, len(last[1].ciphertexts))
         if ranks is None or ranks[1] <= ranks[0]:
             return
