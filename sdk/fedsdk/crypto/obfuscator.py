@@ -369,18 +369,20 @@ def next_coins(coins: bytes, count: int) -> bytes:
     runs = list(COIN_RUN.iter_unpack(coins))
     seed, first, length = runs[0]
     used = sorted((start, start + run) for s, start, run in runs if s == seed)
-    tags: list[Tag] = []
-    pos = first + length
+    out: list[tuple[int, int]] = []  # runs (first index, length), never adjacent: written as they are
+    left, pos = count, first + length
     for start, end in used:
-        while pos < start and len(tags) < count:  # skipped by this seed: the worker's reserved indices
-            tags.append((seed, pos))
-            pos += 1
+        if pos < start and left:  # skipped by this seed: the worker's reserved indices
+            take = min(start - pos, left)
+            out.append((pos, take))
+            left -= take
         pos = max(pos, end)
-    top = max(end for _, end in used)
-    if top + count - len(tags) > 2**64:
-        return b""
-    tags.extend((seed, top + k) for k in range(count - len(tags)))
-    return pack_coins(tags)
+    if left:
+        top = max(end for _, end in used)
+        if top + left > 2**64:
+            return b""
+        out.append((top, left))
+    return b"".join(COIN_RUN.pack(seed, start, run) for start, run in out)
 
 
 def raw_encrypt_with(m: Any, obfuscator: Obfuscator | tuple[Any, ...], n: Any, nsquare: Any) -> Any:

@@ -216,6 +216,40 @@ def test_next_coins_stay_under_the_first_seed(runs: list[tuple[bytes, int, int]]
     assert next_coins(pack_coins(tags)[:-1], count) == b""
 
 
+def _next_coins_tag_by_tag(coins: bytes, count: int) -> bytes:
+    """next_coins' rule spelt out one tag at a time (the reference the run arithmetic must match)."""
+    if count < 1 or not coins or len(coins) % COIN_RUN.size:
+        return b""
+    runs = list(COIN_RUN.iter_unpack(coins))
+    seed, first, length = runs[0]
+    used = sorted((start, start + run) for s, start, run in runs if s == seed)
+    tags: list[tuple[bytes, int]] = []
+    pos = first + length
+    for start, end in used:
+        while pos < start and len(tags) < count:
+            tags.append((seed, pos))
+            pos += 1
+        pos = max(pos, end)
+    top = max(end for _, end in used)
+    if top + count - len(tags) > 2**64:
+        return b""
+    tags.extend((seed, top + k) for k in range(count - len(tags)))
+    return pack_coins(tags)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(st.sampled_from([b"a" * 16, b"b" * 16]), st.integers(0, 60), st.integers(1, 9)), min_size=1
+    ),
+    count=st.integers(0, 40),
+)
+def test_next_coins_match_the_tag_by_tag_rule(runs: list[tuple[bytes, int, int]], count: int) -> None:
+    """Runs of two seeds, overlapping, out of order, with gaps: the same bytes as taking one tag at a time."""
+    coins = b"".join(COIN_RUN.pack(seed, start, n) for seed, start, n in runs)
+    assert next_coins(coins, count) == _next_coins_tag_by_tag(coins, count)
+
+
 def test_prepared_openings_open_the_expected_aggregate_and_nothing_else(keys: PaillierKeys) -> None:
     """Three devices of one key, each with its own obfuscator sequence (as in a fleet): openings prepared
     from round 1's aggregate open round 2's exactly when contributors and masks stay; otherwise, or when a
