@@ -131,11 +131,11 @@ class DilatedFactory(ObfuscatorFactory):
     def wrap(cls, factory: ObfuscatorFactory, dilation: Dilation) -> DilatedFactory:
         return cls(factory.n, factory.p, factory.q, factory.fast, factory.short, dilation=dilation)
 
-    def make_one(self) -> Obfuscator:
+    def make_one(self, aside: bool = False) -> Obfuscator:
         if self.dilation is None:
-            return super().make_one()
+            return super().make_one(aside)
         with self.dilation.step("pool"):
-            return super().make_one()
+            return super().make_one(aside)
 
 
 def cpu_he_throughput(backend: HEBackend, *, cpu_seconds: float = 0.2, max_packs: int = 256) -> float:

@@ -78,7 +78,7 @@ class PaillierFamily(HEBackend):
         """Measured cost of one obfuscator on this device (measured once, two samples, kept)."""
         if self._seconds_per_obfuscator is None:
             t0 = time.perf_counter()
-            self.factory.make(2)
+            self.factory.make(2, aside=True)  # never from the pool's sequence
             self._seconds_per_obfuscator = (time.perf_counter() - t0) / 2
         return self._seconds_per_obfuscator
 
@@ -100,7 +100,7 @@ class PaillierFamily(HEBackend):
                 if report is not None:
                     report.parallel = par.unavailable is None
             else:
-                got.extend(self.factory.make(missing))
+                got.extend(self.factory.make(missing, aside=True))  # outside the pool's sequence
         return got
 
     def decrypt_many(self, cts: list[Any]) -> list[int]:

@@ -40,7 +40,8 @@ and α uniform in ``[0, 2^ℓ)``. Because h is fixed, ``h^α`` is a fixed-base e
   (``keyserver``) each factory draws its own y from :mod:`secrets`.
 * *Exponents.* Public key only: α from :mod:`secrets`. With the secret primes: ``α = PRF_K(seed, i)``,
   keyed BLAKE2b (RFC 7693, keyed mode) under ``K = HKDF-SHA256(p | q)``, with ``seed`` 16 random bytes
-  per factory and process and ``i`` a counter, so no (seed, i) is ever used twice (the obfuscator's
+  per factory and process (two of them: one for the pool's worker, one for what the device makes on the
+  spot) and ``i`` a counter per seed, so no (seed, i) is ever used twice (the obfuscator's
   :attr:`Obfuscator.tag`). A device sends the tags of its ciphertexts (:func:`pack_coins`, 28 bytes a run of
   consecutive ones). Without K they are random labels: by PRF security, to anyone without the secret key
   the α are indistinguishable from uniform, which is the case above. With K, any key holder recomputes
@@ -215,6 +216,7 @@ class ObfuscatorFactory:
             c["prf_key"] = _hkdf(secret, salt, _PRF_INFO, 32)
             c["exponent_bytes"] = bits // 8
             c["seed"], c["counter"] = os.urandom(SEED_BYTES), itertools.count()
+            c["aside_seed"], c["aside_counter"] = os.urandom(SEED_BYTES), itertools.count()
             bits += SUM_HEADROOM_BITS  # the tables also serve sums of exponents (open)
             c["tp"] = FixedBase(ops, ops.powmod(ops.big(y), c["n"], c["p2"]), c["p2"], bits)
             c["tq"] = FixedBase(ops, ops.powmod(ops.big(y), c["n"], c["q2"]), c["q2"], bits)
@@ -235,13 +237,19 @@ class ObfuscatorFactory:
         """Garner: the x below n² with x ≡ a (mod p²), x ≡ b (mod q²)."""
         return a + c["p2"] * (((b - a) * c["p2inv"]) % c["q2"])
 
-    def make_one(self) -> Obfuscator:
+    def make_one(self, aside: bool = False) -> Obfuscator:
+        """One obfuscator. ``aside``: under a second seed and counter of this factory, for the ones a
+        device makes on the spot because its pool ran short. The pool's worker keeps the first seed to
+        itself, so the pool hands out one run of consecutive indices round after round, which is what
+        :func:`next_coins` guesses (sharing the counter, a short round's own obfuscators left a gap in the
+        pool's sequence that the next guess but one took for the worker's reserved indices)."""
         c = self._consts()
         ops: IntOps = c["ops"]
         n = c["n"]
         tag: Tag | None = None
         if self.short and "p" in c:
-            tag = (c["seed"], next(c["counter"]))
+            seed, counter = (c["aside_seed"], c["aside_counter"]) if aside else (c["seed"], c["counter"])
+            tag = (seed, next(counter))
             alpha = self.exponent(tag)
             x = self._crt(c, c["tp"].pow(alpha), c["tq"].pow(alpha))
         elif self.short:
@@ -254,8 +262,8 @@ class ObfuscatorFactory:
             x = ops.powmod(ops.big(secrets.randbelow(self.n - 1) + 1), n, c["nsq"])
         return Obfuscator(x, x % n, tag)
 
-    def make(self, count: int) -> list[Obfuscator]:
-        return [self.make_one() for _ in range(int(count))]
+    def make(self, count: int, aside: bool = False) -> list[Obfuscator]:
+        return [self.make_one(aside) for _ in range(int(count))]
 
     def make_portable(self, count: int) -> list[tuple[int, int, Tag | None]]:
         """Like :meth:`make` but as Python ints, for sending between processes."""
@@ -356,11 +364,12 @@ def next_coins(coins: bytes, count: int) -> bytes:
     ciphertexts; empty when unknown.
 
     A device takes its obfuscators from its pool first, in the order the pool made them, and makes
-    whatever the pool lacks itself: a thread worker shares the device's seed and counter, so those come
-    after the indices the worker had already reserved, which the pool then hands out first; a process
-    worker has a seed of its own. Either way the pool's sequence is the first run's seed: the guess is the
-    indices of that seed after the first run that no run used (the worker's reserved ones), then the
-    indices after the highest one used under that seed. With one run (a pool that kept up) that is the
+    whatever the pool lacks itself under a seed the pool does not use (:meth:`ObfuscatorFactory.make_one`,
+    ``aside``), so the pool's sequence is the first run's seed and continues where that run ended. A
+    contributor whose own obfuscators shared the pool's seed and counter (as before that second seed)
+    left a gap of indices its worker had reserved, which its pool handed out first: the guess is the
+    indices of that seed after the first run that no run used, then the indices after the highest one
+    used under that seed. With one run (a pool that kept up) that is the
     run's continuation. A pool that gave nothing at all (the first run already the device's own) is
     guessed wrong, which costs the next aggregate its prepared openings, never correctness.
     """

@@ -99,7 +99,7 @@ class ParallelPaillier:
         """``count`` obfuscators, computed across the workers and this process."""
         executor = self._ensure_executor()
         if executor is None or count < 2:
-            return self.factory.make(count)
+            return self.factory.make(count, aside=True)  # outside the pool's sequence
         share, extra = divmod(count, self.workers)
         sizes = [share + (1 if i < extra else 0) for i in range(self.workers)]
         futures = [executor.submit(_make_chunk, self.factory, k) for k in sizes if k > 0]
@@ -110,7 +110,7 @@ class ParallelPaillier:
         except cf.process.BrokenProcessPool as exc:  # a worker died (OOM killer): finish here
             self.unavailable = f"BrokenProcessPool: {exc}"
             self._executor = None
-            result.extend(self.factory.make(count - len(result)))
+            result.extend(self.factory.make(count - len(result), aside=True))
         return result
 
     def decrypt(self, cts: list[int]) -> list[int] | None:

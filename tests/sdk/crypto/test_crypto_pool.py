@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ from fedsdk.crypto import (
     ParallelPaillier,
 )
 from fedsdk.crypto._intmath import HAVE_GMPY2
+from fedsdk.crypto.obfuscator import Obfuscator, next_coins, pack_coins, unpack_coins
 from fedsdk.crypto.pool import AUTO_POOL_MAX_BYTES, auto_capacity
 from fedsdk.errors import ConfigError, StateError
 
@@ -121,6 +123,37 @@ def test_packed_backend_takes_obfuscators_from_its_pool(keys: PaillierKeys) -> N
         np.testing.assert_allclose(b.decrypt_aggregate(b.aggregate([c])), x, atol=b.quantisation_bound)
         assert b.start_pool(5) is pool and pool.capacity == 5
     assert pool.state == "closed"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlowWorkerFactory(ObfuscatorFactory):
+    """The pool's worker holds each index it has drawn for 50 ms before the obfuscator reaches the pool, so
+    a device that runs short makes its own while the worker has an index in hand (as on a busy device)."""
+
+    def make_one(self, aside: bool = False) -> Obfuscator:
+        out = super().make_one(aside)
+        if not aside:
+            time.sleep(0.05)
+        return out
+
+
+def test_a_short_round_leaves_the_pool_one_run_to_guess(keys: PaillierKeys) -> None:
+    """A round the pool could not cover: the device makes the rest under its second seed, so the pool's
+    next obfuscators continue the pool's run and the guess of each next round's coins holds (with the
+    pool's seed and counter shared, the guess two rounds on named the indices the device had made)."""
+    with PackedPaillierBackend(keys, FixedPoint(max_devices=8), parallel=False) as b:
+        b.factory = _SlowWorkerFactory(int(keys.n), *keys.primes)  # type: ignore[misc]
+        pool = b.start_pool(3, worker="thread", low_priority=False)
+        rounds = []
+        for need in (6, 3, 3):  # the first round three short
+            assert pool.fill(timeout=30)
+            rounds.append([o.tag for o in b.obfuscators(need)])
+        first, second, third = rounds
+        assert unpack_coins(next_coins(pack_coins(first), 3), 3) == second
+        assert unpack_coins(next_coins(pack_coins(second), 3), 3) == third
+        pool_seed = first[0][0]
+        assert all(t[0] == pool_seed for t in first[:3] + second + third)
+        assert all(t[0] != pool_seed for t in first[3:])
 
 
 def test_paillier_backend_warm_path_uses_the_pool(keys: PaillierKeys) -> None:
