@@ -366,8 +366,8 @@ def next_coins(coins: bytes, count: int) -> bytes:
     A device takes its obfuscators from its pool first, in the order the pool made them, and makes
     whatever the pool lacks itself under a seed the pool does not use (:meth:`ObfuscatorFactory.make_one`,
     ``aside``), so the pool's sequence is the first run's seed and continues where that run ended. A
-    contributor whose own obfuscators shared the pool's seed and counter (as before that second seed)
-    left a gap of indices its worker had reserved, which its pool handed out first: the guess is the
+    contributor whose own obfuscators share the pool's seed and counter leaves a gap of indices its
+    worker had reserved, which its pool hands out first: the guess is the
     indices of that seed after the first run that no run used, then the indices after the highest one
     used under that seed. With one run (a pool that kept up) that is the
     run's continuation. A pool that gave nothing at all (the first run already the device's own) is
