@@ -95,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         pool.pause()  # no refill beside the timed step
 
     full_pool()
-    he.encrypt_update(updates[0], weight)  # so that every contribution's first tag has one before it
+    he.encrypt_update(updates[0], weight)  # so that every contribution's tags have a run before them
     contribs = []
     for u in updates:
         full_pool()
         contribs.append(he.encrypt_update(u, weight)[0])
     agg = he.aggregate(contribs)
-    # the aggregate before, as a device saw it: each contributor's last tag just before its tags in agg
+    # the aggregate before, as a device saw it: each contributor's run of tags just before its run in agg
     runs = [COIN_RUN.unpack(c) for c in agg.coins]
     previous = dataclasses.replace(
-        agg, coins=tuple(COIN_RUN.pack(seed, start - 1, 1) for seed, start, _ in runs)
+        agg, coins=tuple(COIN_RUN.pack(seed, start - count, count) for seed, start, count in runs)
     )
     agg_env = encode(
         pipeline.message_from_he_aggregate(
