@@ -135,6 +135,7 @@ def test_share_bundle_round_trip(parts: list[tuple[set[int], bytes]]) -> None:
     back = decode(encode(bundle))
     assert back == bundle and isinstance(back, ShareBundle)
     items = list(back.items())
+    assert len(back.packs) == len(back.counts) == 1  # three arrays whatever the number of shares
     assert [(s, p.tolist(), b) for s, p, b in items] == [
         (sh.client_id, sh.pack_indices.tolist(), sh.sealed) for sh in shares
     ]
@@ -147,15 +148,50 @@ def test_share_bundle_refuses_what_a_decrypt_share_refuses() -> None:
     with pytest.raises(ValidationError) as e:
         ShareBundle.of(3, 1, [])
     assert e.value.code == "bad_field"
+    two = {"senders": ("a", "b"), "counts": (np.array([1, 1], np.int32),)}
     cases: list[tuple[dict[str, object], str]] = [
-        ({"senders": ("a", "a"), "packs": ok * 2, "lengths": (np.array([30, 30], np.int64),)}, "bad_field"),
-        ({"senders": ("a", "b")}, "bad_shape"),  # two senders, one pack array
+        (
+            {
+                "senders": ("a", "a"),
+                "packs": (np.array([1, 4, 1, 4], np.int32),),
+                "counts": (np.array([2, 2], np.int32),),
+                "lengths": (np.array([30, 30], np.int64),),
+                "sealed": bytes(60),
+            },
+            "bad_field",
+        ),
+        ({"senders": ("a", "b")}, "bad_shape"),  # two senders, one pack count
+        ({"counts": (np.array([1], np.int32),)}, "bad_shape"),  # counts do not add up to the packs
+        ({"counts": (np.array([0], np.int32),), "packs": (np.array([], np.int32),)}, "bad_field"),
+        ({"counts": (np.array([2], np.int64),)}, "bad_dtype"),
         ({"packs": (np.array([4, 1], np.int32),)}, "bad_field"),
-        ({"packs": (np.array([], np.int32),)}, "bad_field"),
+        ({"packs": (np.array([4, 4], np.int32),)}, "bad_field"),
+        ({"packs": (np.array([-1, 4], np.int32),)}, "bad_field"),
         ({"packs": (np.array([1, 4], np.int64),)}, "bad_dtype"),
+        ({"packs": ok * 2}, "bad_shape"),  # one array for all shares
         ({"lengths": (np.array([29], np.int64),)}, "bad_shape"),  # does not add up to the blob
         ({"lengths": (np.array([29], np.int64),), "sealed": bytes(29)}, "bad_shape"),  # too short for 2 packs
         ({"senders": ("no/slash",)}, "bad_field"),
+        # two shares: the second's run [4, 3] is not increasing
+        (
+            {
+                **two,
+                "counts": (np.array([1, 2], np.int32),),
+                "packs": (np.array([1, 4, 3], np.int32),),
+                "lengths": (np.array([29, 30], np.int64),),
+                "sealed": bytes(59),
+            },
+            "bad_field",
+        ),
+        (
+            {
+                **two,
+                "packs": (np.array([4, 1], np.int32),),
+                "lengths": (np.array([28, 29], np.int64),),
+                "sealed": bytes(57),
+            },
+            "bad_shape",
+        ),  # two shares of one pack each, the first sealed too short for its pack
     ]
     for change, code in cases:
         fields: dict[str, object] = {
@@ -163,6 +199,7 @@ def test_share_bundle_refuses_what_a_decrypt_share_refuses() -> None:
             "cluster_id": 1,
             "senders": ("a",),
             "packs": ok,
+            "counts": (np.array([2], np.int32),),
             "lengths": (np.array([30], np.int64),),
             "sealed": seal,
         }
@@ -170,3 +207,14 @@ def test_share_bundle_refuses_what_a_decrypt_share_refuses() -> None:
         with pytest.raises(ValidationError) as e:
             ShareBundle(**fields)  # type: ignore[arg-type]
         assert e.value.code == code, change
+    # shares' runs are checked apart: a later share may name lower packs than an earlier one
+    fine = ShareBundle(
+        3,
+        1,
+        ("a", "b"),
+        (np.array([4, 1], np.int32),),
+        two["counts"],  # type: ignore[arg-type]
+        (np.array([29, 29], np.int64),),
+        bytes(58),
+    )
+    assert [p.tolist() for _, p, _ in fine.items()] == [[4], [1]]
