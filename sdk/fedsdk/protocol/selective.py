@@ -342,10 +342,11 @@ class DecryptShare(BaseMessage):
         self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
         self._set("cluster_id", check_int(self.cluster_id, "cluster_id", 0, MAX_ROUND))
         packs = _one(self.packs, "packs", "int32")
-        _share_packs(packs[0], "packs")
+        one = np.array([packs[0].size], dtype=np.int64)
+        _share_packs(packs[0], one)
         self._set("packs", packs)
         sealed = check_bytes(self.sealed, "sealed")
-        _sealed_size(len(sealed), packs[0].size)
+        _sealed_sizes(np.array([len(sealed)], dtype=np.int64), one)
         self._set("sealed", sealed)
 
     @property
@@ -407,14 +408,13 @@ class ShareBundle(BaseMessage):
             raise ValidationError("bad_field", "every share holds at least one pack")
         if int(n.sum(dtype=np.int64)) != packs[0].size:
             raise ValidationError("bad_shape", f"counts sum to {int(n.sum())}, packs has {packs[0].size}")
-        _bundle_packs(packs[0], n)
+        _share_packs(packs[0], n)
         self._set("packs", packs)
         self._set("counts", counts)
         sealed = check_bytes(self.sealed, "sealed")
         self._set("sealed", sealed)
         lengths = _lengths(self.lengths, "lengths", sealed, len(senders))
-        if bool(np.any(lengths[0] < SEALED_OVERHEAD + n.astype(np.int64))):
-            raise ValidationError("bad_shape", "a sealed share is too short for its packs")
+        _sealed_sizes(lengths[0], n)
         self._set("lengths", lengths)
 
     @classmethod
@@ -440,7 +440,7 @@ class ShareBundle(BaseMessage):
         return zip(self.senders, np.split(self.packs[0], cuts), parts, strict=True)
 
 
-def _bundle_packs(packs: np.ndarray, counts: np.ndarray) -> None:
+def _share_packs(packs: np.ndarray, counts: np.ndarray) -> None:
     """Each share's run of ``packs`` (``counts`` long, in order) is non-negative and strictly increasing."""
     if packs.size == 0 or int(packs.min()) < 0:
         raise ValidationError("bad_field", "packs must be non-empty and non-negative")
@@ -450,14 +450,10 @@ def _bundle_packs(packs: np.ndarray, counts: np.ndarray) -> None:
         raise ValidationError("bad_field", "each share's packs must be strictly increasing")
 
 
-def _share_packs(idx: np.ndarray, what: str) -> None:
-    if idx.size == 0 or int(idx.min()) < 0 or (idx.size > 1 and not bool(np.all(np.diff(idx) > 0))):
-        raise ValidationError("bad_field", f"{what} must be non-empty, non-negative and strictly increasing")
-
-
-def _sealed_size(n: int, packs: int) -> None:
-    if n < SEALED_OVERHEAD + packs:
-        raise ValidationError("bad_shape", f"sealed share of {n} bytes for {packs} packs")
+def _sealed_sizes(lengths: np.ndarray, counts: np.ndarray) -> None:
+    """Each sealed share holds the AES-GCM nonce and tag and at least one byte per pack."""
+    if bool(np.any(lengths < SEALED_OVERHEAD + counts.astype(np.int64))):
+        raise ValidationError("bad_shape", "a sealed share is too short for its packs")
 
 
 @register
