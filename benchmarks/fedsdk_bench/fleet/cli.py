@@ -129,7 +129,8 @@ def _with_references(
 
     def measured(strategy: str, key: str) -> Any:
         """``key`` of the first arm of ``strategy`` already measured, if it has one."""
-        return next((m[key] for m in done.values() if m["strategy"] == strategy and m[key]), None)
+        found = (m[key] for m in done.values() if m["strategy"] == strategy and not m.get("control_pool"))
+        return next((v for v in found if v), None)
 
     if arm.strategy == "fedsdk":
         target = target_round if target_round is not None else measured("plaintext", "mean_round_s")

@@ -31,6 +31,15 @@ the device. The emulation therefore measures what a step *costs* and decides how
   of CPU warm: an encrypted aggregate 0.18 against 0.11 for a plaintext one, a bundle of 20 shares 0.26):
   a device at k = 45 would pay about 15 ms more of its round for them. Checking and merging the shares'
   plaintexts is part of the dilated *apply* step.
+* **Control pool** (arm option ``+pool``, for arms without HE): the device runs the same obfuscator pool as a
+  ``fedsdk`` device, dilated the same way, held quiet while it trains and emptied of one update's
+  obfuscators after each training, but never encrypts with them. Twenty emulated devices share two
+  cores and four interpreters here, so one device's pool refill slows the *others'* training and message
+  handling (measured: ``python benchmarks/pool_training.py``, a refilling pool in the training's process
+  raises its CPU time by about 40 %); on real hardware another device's pool runs on another machine, and
+  a device's own pool refills in its own idle time. With the control, both arms carry that contention, so
+  their ratio is what ``fedsdk``'s messages, encryption and decryption add; without it, the ratio also
+  counts the contention. Both are reported (docs/benchmarks.md).
 * **Uplink**: the transport's token bucket (``MqttTransport.rate_limit_bytes_per_s``); every outgoing frame
   waits its serialisation time. The broker, the coordinator and the key server are not slowed down.
 
@@ -174,6 +183,7 @@ class EmulatedClient(FedClient):
         time_scale: float,
         pool_capacity: int = 0,
         he: HEBackend | None = None,
+        control: HEBackend | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(broker_url, client_id=profile.client_id, he=he, pool_capacity=0, **kwargs)
@@ -181,6 +191,11 @@ class EmulatedClient(FedClient):
         self.time_scale = float(time_scale)
         self.dilation = Dilation(time_scale, profile.speed_factor)
         self._emu_pool = int(pool_capacity)
+        if control is not None and (he is not None or not hasattr(control, "start_pool")):
+            raise ConfigError("a control pool is for devices without HE, from a Paillier backend")
+        self._control = control  # runs a pool it never encrypts with (module docstring)
+        self._control_taken = 0
+        self._control_made = 0  # obfuscators the control pool made, counted when it closes
         self._transport.rate_limit_bytes_per_s = profile.uplink_bytes_per_s
         if he is not None and hasattr(he, "parallel"):
             he.parallel = False  # one device = one emulated thread
@@ -209,7 +224,20 @@ class EmulatedClient(FedClient):
                 he.factory = DilatedFactory.wrap(factory, self.dilation)  # type: ignore[attr-defined]
             if self._emu_pool > 0 and hasattr(he, "start_pool"):
                 he.start_pool(self._emu_pool, worker="thread", low_priority=False)
+        control = self._control
+        if control is not None and self._emu_pool > 0:
+            control.factory = DilatedFactory.wrap(control.factory, self.dilation)  # type: ignore[attr-defined]
+            control.start_pool(self._emu_pool, worker="thread", low_priority=False)  # type: ignore[attr-defined]
         return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await super().__aexit__(*exc)
+        finally:
+            if self._control is not None:
+                pool = getattr(self._control, "pool", None)
+                self._control_made = 0 if pool is None else pool.produced
+                self._control.close()
 
     def _bytes(self) -> tuple[int, int]:
         stats = self._transport.stats
@@ -261,8 +289,13 @@ class EmulatedClient(FedClient):
 
     def _train_and_protect(self, task: Any, base: list[np.ndarray]) -> tuple[BaseMessage, dict[str, Any]]:
         self._fit_timing = (0.0, 0.0)
-        with self.dilation.step("train") as step:
+        pool = None if self._control is None else getattr(self._control, "pool", None)
+        packs = 0 if self._control is None else self._control.num_packs(sum(int(b.size) for b in base))
+        quiet = contextlib.nullcontext() if pool is None else pool.quiet(packs)  # as FedClient holds its own
+        with quiet, self.dilation.step("train") as step:
             msg, record = super()._train_and_protect(task, base)
+            if pool is not None:
+                self._control_taken += len(pool.take(packs))  # what encrypting the update would have used
         metrics = dict(getattr(msg, "metrics", {}))
         parts = self._emulated_parts(step, metrics)
         metrics.update(parts)
@@ -354,4 +387,7 @@ class EmulatedClient(FedClient):
             "dilation": self.dilation.stats,
             "transport": self._transport.stats,
             "he_values_per_cpu_s": self.he_values_per_cpu_s,
+            "control_pool": None
+            if self._control is None
+            else {"made": self._control_made, "taken": self._control_taken},
         }

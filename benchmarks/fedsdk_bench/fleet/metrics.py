@@ -185,6 +185,7 @@ def arm_metrics(result: dict[str, Any]) -> dict[str, Any]:
         "label": result["arm"]["label"],
         "strategy": result["arm"]["strategy"],
         "key_mode": result["arm"]["key_mode"],
+        "control_pool": bool(result["arm"].get("control_pool", False)),
         "target_round_s": result["arm"].get("target_round_s"),
         "uniform_budget": result["arm"].get("uniform_budget"),
         "state": result["state"],

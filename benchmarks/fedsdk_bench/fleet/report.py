@@ -31,7 +31,10 @@ _ORD = {1: "st", 2: "nd", 3: "rd"}
 
 def _scenario_tables(sc: dict[str, Any]) -> list[str]:
     arms: list[dict[str, Any]] = sc["arms"]
-    plain = next((a for a in arms if a["strategy"] == "plaintext" and a["mean_round_s"]), None)
+    plain = next(
+        (a for a in arms if a["strategy"] == "plaintext" and a["mean_round_s"] and not a.get("control_pool")),
+        None,
+    )
     he = next((a for a in arms if a["strategy"] == "plain-he" and a["mean_round_s"]), None)
     groups = sorted({g for a in arms for g in a["final_accuracy_per_group"]}, key=int)
     out = [

@@ -71,13 +71,16 @@ class Arm:
     consensus: bool | None = None  # the consensus mask (None: the strategy's default)
     coop: bool | None = None  # cooperative decryption (None: the strategy's default)
     fill: bool | None = None  # encrypt all the budget allows (None: the strategy's default)
+    control_pool: bool = False  # arms without HE: run fedsdk's obfuscator pool unused (emulation.py)
 
 
 def parse_arm(spec: str) -> Arm:
-    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop][+nofill]``, e.g.
+    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop][+nofill][+pool]``, e.g.
     ``plaintext+cluster`` or ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus
     mask, ``+nocoop`` without cooperative decryption (every device decrypts the whole aggregate),
-    ``+nofill`` with eq. 4-9's fewest packs only (not everything the budget allows)."""
+    ``+nofill`` with eq. 4-9's fewest packs only (not everything the budget allows); ``+pool`` gives the
+    devices of an arm without HE the obfuscator pool of ``fedsdk``'s, unused: the emulation's control for
+    the contention that pools cause between emulated devices (:mod:`fedsdk_bench.fleet.emulation`)."""
     from fedsdk_coordinator.strategies import strategy
 
     parts = spec.strip().split("+")
@@ -85,7 +88,8 @@ def parse_arm(spec: str) -> Arm:
     clustering: bool | None = None
     if name.endswith("-cluster"):
         name, clustering = name[: -len("-cluster")], False
-    strategy(name)  # ConfigError for an unknown name
+    backend = strategy(name).backend  # ConfigError for an unknown name
+    control_pool = False
     key_mode = "shared"
     consensus: bool | None = None
     coop: bool | None = None
@@ -101,12 +105,19 @@ def parse_arm(spec: str) -> Arm:
             coop = False
         elif m == "nofill":
             fill = False
+        elif m == "pool":
+            if backend:
+                raise ConfigError(f"{spec!r}: +pool is a control for arms without HE (their pool is real)")
+            control_pool = True
         else:
             raise ConfigError(
                 f"unknown arm option {m!r} in {spec!r}: "
-                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop, +nofill"
+                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop, +nofill, +pool"
             )
-    return Arm(spec.strip(), name, clustering, key_mode, consensus=consensus, coop=coop, fill=fill)
+    return Arm(
+        spec.strip(), name, clustering, key_mode, consensus=consensus, coop=coop, fill=fill,
+        control_pool=control_pool,
+    )  # fmt: skip
 
 
 def prepare_data(sc: Scenario, work: Path, seed: int) -> dict[str, dict[str, str]]:
@@ -135,7 +146,12 @@ def prepare_data(sc: Scenario, work: Path, seed: int) -> dict[str, dict[str, str
 
 
 def _worker_specs(
-    sc: Scenario, cfg: FleetConfig, files: dict[str, dict[str, str]], device_he: Path | None, pool: int
+    sc: Scenario,
+    cfg: FleetConfig,
+    files: dict[str, dict[str, str]],
+    device_he: Path | None,
+    pool: int,
+    control_he: Path | None = None,
 ) -> list[list[dict[str, Any]]]:
     groups: list[list[dict[str, Any]]] = [[] for _ in range(max(1, min(cfg.processes, sc.n_devices)))]
     for i, dev in enumerate(sc.devices):
@@ -146,6 +162,7 @@ def _worker_specs(
                 "eval": files[dev.client_id]["eval"],
                 "he_dir": None if device_he is None else str(device_he),
                 "pool": pool,
+                "control_he": None if control_he is None else str(control_he),
                 "score": files[dev.client_id].get("score"),  # samples the worker scores the device on
             }
         )
@@ -229,6 +246,10 @@ async def run_arm(
     if strat.backend:
         ns = argparse.Namespace(key_bits=cfg.key_bits, key_mode=arm.key_mode)
         keys = _make_keys(arm_dir, ns, strat.backend)
+    control_he: Path | None = None
+    if arm.control_pool and not strat.backend:  # keys for a pool that encrypts nothing
+        ns = argparse.Namespace(key_bits=cfg.key_bits, key_mode="shared")
+        control_he = _make_keys(arm_dir / "control", ns, "packed")["device"]
     n = sc.n_devices
     extra: dict[str, Any] = {}
     if arm.uniform_budget is not None:
@@ -293,8 +314,9 @@ async def run_arm(
                     ]
                     cmd += ["--federation", FEDERATION, "--insecure"]
                     procs["keyserver"] = _spawn(cmd, arm_dir / "logs" / "keyserver.log", env)
-                pool = cfg.pool if strat.pool else 0
-                for w, members in enumerate(_worker_specs(sc, cfg, files, keys.get("device"), pool)):
+                pool = cfg.pool if strat.pool or control_he is not None else 0
+                specs = _worker_specs(sc, cfg, files, keys.get("device"), pool, control_he)
+                for w, members in enumerate(specs):
                     out = arm_dir / f"devices-{w}.json"
                     spec = {
                         "broker_url": broker.url,

@@ -5,7 +5,8 @@
     {"broker_url": "mqtt://127.0.0.1:PORT", "federation": "...", "time_scale": 12.0, "timeout": 3600,
      "out": "devices-0.json", "client_options": {},
      "devices": [{"profile": {...DeviceProfile...}, "data": "dev-00.npz", "eval": "dev-00-eval.npz",
-                  "he_dir": null | "he/device", "pool": 0, "score": null | "dev-00-score.npz"}, ...]}
+                  "he_dir": null | "he/device", "pool": 0, "control_he": null | "control/he/device",
+                  "score": null | "dev-00-score.npz"}, ...]}
 
 runs every device until the coordinator finishes (or the timeout), and writes one JSON list with each
 device's :meth:`EmulatedClient.result`. ``client_options`` (optional) are more keyword arguments for every
@@ -50,6 +51,7 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
         data = load_npz(d["data"])
         eval_data = load_npz(d["eval"]) if d.get("eval") else None
         he = load_he(d["he_dir"]) if d.get("he_dir") else None
+        control = load_he(d["control_he"]) if d.get("control_he") else None  # a pool it never uses
         clients.append(
             EmulatedClient(
                 spec["broker_url"],
@@ -57,6 +59,7 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 time_scale=float(spec["time_scale"]),
                 pool_capacity=int(d.get("pool", 0)),
                 he=he,
+                control=control,
                 federation=spec["federation"],
                 data=data,
                 eval_data=eval_data,
