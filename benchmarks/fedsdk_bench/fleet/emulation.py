@@ -227,7 +227,7 @@ class EmulatedClient(FedClient):
         control = self._control
         if control is not None and self._emu_pool > 0:
             control.factory = DilatedFactory.wrap(control.factory, self.dilation)  # type: ignore[attr-defined]
-            control.start_pool(self._emu_pool, worker="thread", low_priority=False)  # type: ignore[attr-defined]
+            control.start_pool(self._emu_pool, worker="thread", low_priority=False)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
