@@ -340,6 +340,10 @@ class Aggregates:
             await asyncio.gather(*self.applying, return_exceptions=True)
 
     async def _guarded(self, agg: AnyAggregate, apply: Callable[[AnyAggregate], Awaitable[None]]) -> None:
+        """Run ``apply`` so that no failure ends the task unseen (asyncio would only mention it when the
+        task is collected). An unexpected exception is logged with its traceback (code, not values),
+        counted (``apply_failed``) and kept as the summary's reason; the aggregate is applied again if it
+        is seen again, and the device goes on with the next task."""
         try:
             await apply(agg)
         except TransportClosed:
@@ -347,6 +351,13 @@ class Aggregates:
         except TransportError as exc:  # the link stayed down: the coordinator goes on without our report
             self.device.summary.send_failures += 1
             log.warning("could not send the report of round %d: %s", agg.round_id, exc)
+        except Exception as exc:  # the apply task's last line: nothing may escape unseen
+            pending = self.device.pending.get(agg.round_id)
+            if pending is not None and agg.round_id not in self.device.summary.applied_rounds:
+                pending.applying = False
+            self.device.rejected.add("apply_failed")
+            self.device.summary.reason = f"round {agg.round_id}: applying the aggregate failed: {exc!r}"
+            log.error("round %d: applying the aggregate failed", agg.round_id, exc_info=exc)
 
     def apply(self, agg: AnyAggregate, pending: Pending, sums: list[Any] | None = None) -> dict[str, float]:
         """Make the round's model from ``agg`` (with ``sums``, the raw decryptions of its ciphertexts, for
@@ -374,7 +385,13 @@ class Aggregates:
         device.weights = new
         if device.eval is not None and device.model_id is not None:
             model, (x, y) = device.models[device.model_id], device.eval
-            loss, value = model.evaluate(new, model_input(pending.task, x), y)
+            try:
+                loss, value = model.evaluate(new, model_input(pending.task, x), y)
+            except (FedError, ValueError) as exc:
+                # the model is applied all the same: the round is reported, without test metrics
+                out["eval_failed"] = 1.0
+                pending.eval_error = str(exc)
+                return out
             device.summary.metric = model.metric_name
             out.update({"test_loss": loss, f"test_{model.metric_name}": value, "test_samples": float(len(y))})
         return out
@@ -447,6 +464,9 @@ class Aggregates:
             return
         metrics.update(dec)
         metrics.setdefault("decrypt_s", 0.0)
+        if pending.eval_error:
+            summary.reason = f"round {agg.round_id}: evaluation on held-out data failed: {pending.eval_error}"
+            log.warning("%s", summary.reason)
         if steps.personalise is not None and device.personal_epochs > 0:
             try:
                 metrics.update(await loop.run_in_executor(None, steps.personalise, pending))

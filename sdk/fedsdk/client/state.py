@@ -69,6 +69,7 @@ class Pending:
     started: float = field(default_factory=time.monotonic)  # when training began
     book: ShareBook = field(default_factory=ShareBook)  # decryption shares of the cluster (coop.py)
     applying: bool = False  # its aggregate is being applied
+    eval_error: str = ""  # why evaluating the applied model on held-out data failed (the round is reported)
     # the shapes and the update whose leakage count runs after sending (every pack encrypted)
     leak_input: tuple[list[tuple[int, ...]], np.ndarray] | None = None
     leak: asyncio.Future[dict[str, float]] | None = None  # the count, for the round's report
