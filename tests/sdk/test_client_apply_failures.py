@@ -22,7 +22,8 @@ from test_client_restart import SPEC, Upstream, make_task
 
 from brokers import MosquittoProcess
 from fedsdk.client import FedClient
-from fedsdk.client.apply import Aggregates, Decryption
+from fedsdk.client.apply import Aggregates
+from fedsdk.client.decryption import Decryption
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.model.data import load_digits
 from fedsdk.protocol import Aggregate, EncryptedAggregate, Report, Status, Update, encode

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedsdk.client.apply import ApplySteps, Decryption
+from fedsdk.client.apply import ApplySteps
+from fedsdk.client.decryption import Decryption
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.coop import PeerShare, share_ranks
 from fedsdk.crypto.base import Aggregate

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from fedsdk.client.apply import Aggregates, ApplySteps, Decryption
+from fedsdk.client.apply import Aggregates, ApplySteps
+from fedsdk.client.decryption import Decryption
 from fedsdk.client.link import Link
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.client.work import Tasks, TaskSteps, Work

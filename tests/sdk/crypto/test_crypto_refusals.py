@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedsdk.crypto import (
     CKKSBackend,
@@ -17,6 +20,7 @@ from fedsdk.crypto import (
     load_backend,
 )
 from fedsdk.crypto.base import Contribution
+from fedsdk.crypto.fixedpoint import pack_slots
 from fedsdk.errors import CiphertextError, ConfigError, CryptoError, EncodingError, KeyMismatchError
 
 FIXED = FixedPoint(max_weight=1000, max_devices=8)
@@ -247,3 +251,36 @@ def test_bad_key_material_and_parameters_are_refused(keys: tuple[PaillierKeys, P
         load_backend(
             "packed", {**PackedPaillierBackend(keys[0], FIXED).params, "slots": 3}, keys[0].public_bytes()
         )
+
+
+# ---------------------------------------------------------------- decoding decrypted packs
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_decode_takes_exact_slot_sums_and_refuses_any_pack_outside_the_slot_area(
+    paillier_pair: tuple[HEBackend, HEBackend], data: st.DataObject
+) -> None:
+    """``decode`` of the raw decryptions (ints or gmpy2 integers) gives the average the slot sums stand
+    for, and refuses a list holding one pack with a bit above the slot area, or a negative one. 1024-bit
+    keys keep the test short; the slot layout follows the key size, the rule does not."""
+    he = paillier_pair[0]
+    assert isinstance(he, PackedPaillierBackend)
+    weight = data.draw(st.integers(1, FIXED.max_weight), label="weight")
+    n_packs = data.draw(st.integers(1, 4), label="packs")
+    top = weight * FIXED.max_code
+    codes = np.array(
+        data.draw(st.lists(st.integers(0, top), min_size=n_packs * he.slots, max_size=n_packs * he.slots)),
+        dtype=np.uint64,
+    ).reshape(n_packs, he.slots)
+    packs: list[Any] = [int.from_bytes(p, "little") for p in pack_slots(codes, he.slot_bits)]
+    if data.draw(st.booleans(), label="gmpy2"):
+        packs = [he.ops.big(p) for p in packs]
+    want = (codes.astype(np.int64) - FIXED.offset * weight) / (float(FIXED.scale) * weight)
+    np.testing.assert_array_equal(he.decode(packs, weight), want)
+    bad = data.draw(st.integers(0, n_packs - 1), label="bad pack")
+    over = list(packs)
+    over[bad] = over[bad] + (1 << (he.slots * he.slot_bits + data.draw(st.integers(0, 40), label="bit")))
+    with pytest.raises(CiphertextError, match="slot area"):
+        he.decode(over, weight)
+    over[bad] = -1 - data.draw(st.integers(0, 2**64), label="below zero")
+    with pytest.raises(CiphertextError, match="slot area"):
+        he.decode(over, weight)
