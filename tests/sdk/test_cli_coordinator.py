@@ -86,6 +86,15 @@ def test_he_key_of_another_backend(tmp_path: Path) -> None:
     assert_one_line(out, "sensecrypt", "paillier", "packed")
 
 
+def test_without_a_strategy_the_federations_he_key_means_fedsdk(tmp_path: Path) -> None:
+    he = tmp_path / "he"
+    he.mkdir()
+    (he / "he.json").write_text('{"backend": "ckks", "params": {}, "key_id": "00"}')
+    (he / "he_public.bin").write_bytes(b"\0")
+    out = coordinator(*local(tmp_path), "--he", str(he))  # the key says HE: fedsdk, whose backend is packed
+    assert_one_line(out, "strategy fedsdk", "packed", "ckks")
+
+
 def test_state_of_another_federation(tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     with StateStore(tmp_path / "state" / "coordinator.sqlite") as store:
@@ -132,7 +141,8 @@ def test_a_kit_refuses_embedded_broker_options(tmp_path: Path) -> None:
 
 def test_the_embedded_broker_runs_with_the_fleet_certificates(tmp_path: Path) -> None:
     """certs/README.md, "Embedded broker": the broker certificate names coord.lan, the coordinator dials
-    its own listener at another address; it must come up all the same."""
+    its own listener at another address; it must come up all the same. Without --strategy or an HE key
+    it runs plaintext and warns that updates arrive in the clear."""
     fleet = _fleet(tmp_path)
     kit, broker = fleet / "coordinator", fleet / "broker"
     port = free_port()
@@ -151,7 +161,10 @@ def test_the_embedded_broker_runs_with_the_fleet_certificates(tmp_path: Path) ->
         while "coordinator up" not in log.read_text() and time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
-        assert "coordinator up" in log.read_text(), log.read_text()[-3000:]
+        text = log.read_text()
+        assert "coordinator up" in text, text[-3000:]
+        # no --strategy and no HE key: plaintext, and a warning that says so once the coordinator is up
+        assert "strategy plaintext" in text and "updates reach the coordinator in the clear" in text, text
     finally:
         proc.send_signal(signal.SIGINT)
         try:

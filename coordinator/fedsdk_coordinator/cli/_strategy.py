@@ -15,11 +15,20 @@ def _tristate(value: str) -> bool | None:
     return None if value == "auto" else value == "on"
 
 
-def add_strategy_options(p: argparse.ArgumentParser, *, default: str = "plaintext") -> None:
+def add_strategy_options(
+    p: argparse.ArgumentParser, *, default: str | None = "plaintext", default_help: str = ""
+) -> None:
+    """The strategy options; ``default`` None leaves ``--strategy`` to the command (``default_help`` says
+    what it then picks)."""
     from fedsdk_coordinator.strategies import STRATEGIES  # the registered ones, plugins included
 
     g = p.add_argument_group("privacy strategy")
-    g.add_argument("--strategy", default=default, choices=list(STRATEGIES), help="see docs/strategies.md")
+    g.add_argument(
+        "--strategy",
+        default=default,
+        choices=list(STRATEGIES),
+        help=f"see docs/strategies.md{'; ' + default_help if default_help else ''}",
+    )
     g.add_argument(
         "--key-mode",
         default=None,

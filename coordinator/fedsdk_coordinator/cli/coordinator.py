@@ -12,9 +12,11 @@ and reads its own ``down/<id>``, the cluster broadcasts and the status).
 
 With ``--kit DIR`` (the coordinator kit from ``fedsdk provision``) the broker URL, federation, key mode,
 certificates, HE public key and dashboard address come from the kit; options given on the command line
-still win. A kit never holds the HE secret (``load_kit`` refuses one in a coordinator kit). A kit, like
-``--broker``, names the broker to connect to: the embedded broker's options (``--listen``, ``--broker-cert``,
-``--broker-key``, ``--broker-crl``, ``--broker-acl``) are refused with either.
+still win. Without ``--strategy``, a coordinator with an HE public key (``--he`` or the kit's) runs the
+``fedsdk`` strategy, one without runs ``plaintext`` and warns that updates arrive in the clear. A kit
+never holds the HE secret (``load_kit`` refuses one in a coordinator kit). A kit, like ``--broker``, names
+the broker to connect to: the embedded broker's options (``--listen``, ``--broker-cert``, ``--broker-key``,
+``--broker-crl``, ``--broker-acl``) are refused with either.
 
 The state (SQLite) lives in ``--state-dir``: started again on the same directory after a crash, the
 coordinator resumes the round in progress (docs/operations.md, "Crash and restart").
@@ -131,7 +133,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--exit-when-done", action="store_true", help="stop once the last round is aggregated")
     p.add_argument("--he", metavar="DIR", help="the federation's HE public key folder (HE strategies)")
-    add_strategy_options(p)
+    add_strategy_options(
+        p,
+        default=None,
+        default_help="default: fedsdk when the federation's HE public key is given (--he or --kit), "
+        "else plaintext, with a warning",
+    )
     add_tls_options(p)
     p.set_defaults(func=run)
 
@@ -171,6 +178,26 @@ def _refuse_ignored_broker_options(args: argparse.Namespace) -> None:
             f"naming the kit's files: --ca {kit}/ca.pem --cert {kit}/client.pem --key {kit}/client.key "
             f"--he {kit}/he --federation FED (certs/README.md, 'Embedded broker')"
         )
+
+
+UNPROTECTED = (
+    "no HE public key (--he DIR or --kit DIR): strategy plaintext, the devices' updates reach the "
+    "coordinator in the clear. Provision HE keys (fedsdk provision) to protect them, or pass --strategy "
+    "plaintext to choose this explicitly"
+)
+
+
+def _default_strategy(args: argparse.Namespace) -> str | None:
+    """Set ``--strategy`` when it was not given; the warning to show once the coordinator is up, if any.
+
+    Decision: a coordinator that has the federation's HE public key (``--he``, or the kit's) protects the
+    updates with the product's strategy, ``fedsdk``; one without runs ``plaintext``, having nothing to
+    encrypt under, and says so once it is up (after the configuration checks, whose errors stay one
+    line). Giving ``--strategy`` (``plaintext`` included) keeps the choice and the silence."""
+    if args.strategy is not None:
+        return None
+    args.strategy = "fedsdk" if args.he else "plaintext"
+    return None if args.he else UNPROTECTED
 
 
 def _check_model_and_he(args: argparse.Namespace) -> None:
@@ -276,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     # Configuration errors are refused before the broker or anything else starts (model, HE key here; the
     # broker's files and both addresses below). An error raised by the application's startup contexts
     # (e.g. a state directory of another federation) still ends as one line: see serve().
+    unprotected = _default_strategy(args)
     _check_model_and_he(args)
     embedded = None
     tls = None
@@ -357,7 +385,9 @@ def run(args: argparse.Namespace) -> int:
         async with serve(app, http_host, http_port) as url:
             engine = app[ENGINE]
             broker = f"embedded on {hostport(host, port)}" if embedded else args.broker
-            print(f"coordinator up: dashboard {url}, broker {broker}")
+            print(f"coordinator up: dashboard {url}, broker {broker}, strategy {args.strategy}")
+            if unprotected:
+                log.warning("%s", unprotected)
             if args.exit_when_done:
                 await engine.finished.wait()
                 print(f"federation {engine.state} after round {engine.completed_round}")
