@@ -96,6 +96,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the device's run summary here")
     p.add_argument("--he", metavar="DIR", help="the federation's HE key folder (he.json, he_public.bin)")
     p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep the model this device holds here across restarts (model.npz, mode 0600); under HE a "
+        "restarted device without it starts again from the federation's initial model",
+    )
+    p.add_argument(
         "--pool",
         type=_pool_size,
         default=None,
@@ -235,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             self_audit_db=args.self_audit_db,
             conditions=conditions,
             personal_epochs=personal_epochs,
+            state_dir=args.state_dir,
         ) as client:
             freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
             summary = await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)

@@ -58,6 +58,7 @@ class ApplySteps(NamedTuple):
     apply: Callable[[AnyAggregate, Pending, list[Any] | None], dict[str, float]]  # merge, evaluate: metrics
     publish: Publish
     personalise: Callable[[Pending], dict[str, float]] | None = None  # fine-tune and choose: metrics
+    keep: Callable[[Pending], None] | None = None  # write the model now held to disk (client/saved.py)
 
 
 class Aggregates:
@@ -236,7 +237,14 @@ class Aggregates:
         report = Report(
             client_id=device.client_id, round_id=agg.round_id, cluster_id=agg.cluster_id, metrics=metrics
         )
-        await steps.publish(T.REPORT, report)
+        try:
+            await steps.publish(T.REPORT, report)
+        finally:  # after the report, off the round's critical path; also when the report could not go
+            if steps.keep is not None:
+                try:
+                    await loop.run_in_executor(None, steps.keep, pending)
+                except (OSError, ValueError) as exc:
+                    log.warning("round %d: could not keep the model on disk: %s", agg.round_id, exc)
         shown = "" if value is None else f", held-out {summary.metric} {value:.4f}"
         if mine is not None:
             which = "personal" if summary.uses_personal[agg.round_id] else "cluster"

@@ -30,6 +30,7 @@ import numpy as np
 from fedsdk.client.apply import Aggregates, ApplySteps
 from fedsdk.client.decryption import Decryption
 from fedsdk.client.link import Link
+from fedsdk.client.saved import SavedModel, load_model, save_model
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.client.work import Tasks, TaskSteps, Work
 from fedsdk.conditions import RunConditions
@@ -61,6 +62,10 @@ class FedClient:
     ``personal_epochs`` (> 0, with ``data`` and ``eval_data``): after each round the device fine-tunes the
     cluster model on its data for up to that many epochs and uses the better of the two on its held-out data
     (:attr:`personal`, :mod:`fedsdk.personal`); only held-out scalars are reported. 0: off.
+
+    ``state_dir``: where the device keeps the model it holds across restarts of its process (written after
+    each applied aggregate, mode 0600, read back at construction: :mod:`fedsdk.client.saved`). Under HE,
+    without it, a restarted device holds nothing and gets the federation's initial model.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class FedClient:
         self_audit_db: float = DEFAULT_THRESHOLD_DB,
         conditions: RunConditions | None = None,
         personal_epochs: int = 0,
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         T.validate_config_id(client_id, "client id")
         if isinstance(personal_epochs, bool) or not isinstance(personal_epochs, int) or personal_epochs < 0:
@@ -116,6 +122,40 @@ class FedClient:
         self._tasks = Tasks(self._device, self._link, self._work, conditions)
         self._decryption = Decryption(self._device)
         self._aggregates = Aggregates(self._device, self._decryption)
+        self._state_dir = state_dir
+        if state_dir is not None:
+            self._restore(state_dir)
+
+    def _restore(self, state_dir: str | os.PathLike[str]) -> None:
+        """Hold the model kept in ``state_dir`` by an earlier process of this device, if any
+        (:mod:`fedsdk.client.saved`)."""
+        saved = load_model(state_dir, federation=self.federation, client_id=self.client_id)
+        if saved is None:
+            return
+        device = self._device
+        device.weights, device.model_round = saved.weights, saved.model_round
+        device.model_id, device.summary.cluster_id = saved.model_id, saved.cluster_id
+        self._work.names = saved.param_names
+        log.info(
+            "%s: holds the model of round %d (cluster %d) kept in %s",
+            self.client_id, saved.model_round, saved.cluster_id, state_dir,
+        )  # fmt: skip
+
+    def _keep(self, pending: Pending) -> None:
+        """Write the model this device now holds to its state directory (in the executor)."""
+        device = self._device
+        if self._state_dir is None or device.weights is None:
+            return
+        saved = SavedModel(
+            federation=self.federation,
+            client_id=self.client_id,
+            cluster_id=pending.task.cluster_id,
+            model_round=device.model_round,
+            model_id=device.model_id or "",
+            param_names=self._work.names,
+            weights=device.weights,
+        )
+        save_model(self._state_dir, saved)
 
     # -- the device's state, as an app reads it (the private names: as tests and subclasses do) ---
     @property
@@ -299,7 +339,8 @@ class FedClient:
         self._aggregates.start(agg, self._on_aggregate)
 
     async def _on_aggregate(self, agg: Aggregate | EncryptedAggregate) -> None:
-        steps = ApplySteps(self._decrypt_packs, self._apply, self._publish, self._personalise)
+        keep = self._keep if self._state_dir is not None else None
+        steps = ApplySteps(self._decrypt_packs, self._apply, self._publish, self._personalise, keep)
         await self._aggregates.on_aggregate(agg, steps)
 
     def _decrypt_packs(self, round_id: int, agg: HEAggregate, ranks: list[int]) -> list[Any]:

@@ -123,6 +123,7 @@ class Work:
         self._threads = intra_op_threads
         self._pool_capacity = pool_capacity
         self._shapes: list[tuple[int, ...]] = []  # the parameters' shapes, from the last task with a model
+        self.names: tuple[str, ...] = ()  # and their names (or the model kept on disk's: client/saved.py)
         self._dp_rounds = 0  # rounds whose clear part this process released with noise (fedsdk.noise)
 
     # -- the obfuscator pool ------------------------------------------------------------------
@@ -160,11 +161,12 @@ class Work:
         device = self.device
         if task.weights:
             base = [np.array(w, dtype=np.float32) for w in task.weights]
-            self._shapes = [tuple(w.shape) for w in base]
+            self._shapes, self.names = [tuple(w.shape) for w in base], tuple(task.param_names)
             if phase == "train":
                 device.model_round = task.round_id - 1  # the task's model is round r-1's result
             return base
         if device.weights is not None:
+            self._shapes = self._shapes or [tuple(w.shape) for w in device.weights]  # a restored model
             return [w.copy() for w in device.weights]
         raise TrainingError("the task carries no model and this device holds none (joined late?)")
 
@@ -173,12 +175,13 @@ class Work:
         model_id = task.model_id or device.model_id
         model = device.models.get(model_id or "")
         if model is None:
-            if not task.train_graph or not task.eval_graph or not task.param_names:
+            names = task.param_names or self.names
+            if not task.train_graph or not task.eval_graph or not names:
                 raise TrainingError(f"task for unknown model {task.model_id!r} carries no graphs")
             model = OnnxModel(
                 task.train_graph,
                 task.eval_graph,
-                task.param_names,
+                names,
                 self._shapes,
                 intra_op_num_threads=self._threads,
             )
