@@ -1,6 +1,7 @@
 """FedClient, the object a device app embeds. It composes the device's link (``link.py``), its task pipeline
-(``work.py``) and its aggregate path (``apply.py``) over the device's state (``state.py``), and hands each
-incoming message to the part it is for.
+(``work.py``) and its aggregate path (``decryption.py``, ``apply.py``) over the device's state
+(``state.py``; with a state directory, the model it holds is also kept on disk: ``saved.py``), and hands
+each incoming message to the part it is for.
 
 The client says hello whenever it sees a new coordinator instance, answers every task addressed to it, and
 applies each aggregate once, for the round it belongs to. It stops when the coordinator reports
@@ -12,7 +13,7 @@ meanwhile (``apply.py``); a new task waits for the aggregates still being applie
 model one of them makes.
 
 The steps a round runs are methods of FedClient (``_publish``; ``_sketch``, ``_fit``,
-``_train_and_protect``, ``_leak_count``; ``_decrypt_packs``, ``_apply``, ``_personalise``; and
+``_train_and_protect``, ``_leak_count``; ``_decrypt_packs``, ``_apply``, ``_personalise``, ``_keep``; and
 ``_on_task``, ``_on_aggregate`` around them), handed to the parts each time a message arrives: a subclass
 may wrap one (the fleet benchmark's ``EmulatedClient`` dilates the compute steps and stamps a timeline) and
 a test may replace one on an instance, while the parts keep no reference to the client.
