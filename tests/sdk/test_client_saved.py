@@ -15,6 +15,7 @@ or a damaged one, is not used.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import stat
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_client_restart import SPEC
+from test_client_restart import make_task as restart_task
 
 from brokers import MosquittoProcess
 from fedsdk.client import FedClient
@@ -33,27 +36,19 @@ from fedsdk.pipeline import contribution_from_message, message_from_he_aggregate
 from fedsdk.protocol import EncryptedUpdate, Hello, Report, Status, Task, decode, encode
 from fedsdk.protocol import topics as T
 from fedsdk.transport import Message, MqttTransport
-from fedsdk_coordinator.models import build_graphs, init_params, mlp
+from fedsdk_coordinator.models import build_graphs, init_params
 
 pytestmark = pytest.mark.timeout(180)
-SPEC = mlp(hidden=(8,))
 WAIT = 60.0
 
 
 def make_task(fed: str, round_id: int, weights: list[np.ndarray] | None) -> Task:
-    bundle = build_graphs(SPEC)
-    return Task(
-        federation=fed,
-        round_id=round_id,
-        cluster_id=0,
-        deadline_s=60.0,
-        param_names=tuple(bundle.param_names) if weights is not None else (),
-        weights=tuple(weights) if weights is not None else (),
-        config={"phase": "train", "lr": 0.05, "batch_size": 32, "epochs": 1, "seed": round_id, "mask": "all"},
-        model_id=bundle.model_id,
-        train_graph=bundle.train_graph,
-        eval_graph=bundle.eval_graph,
-    )
+    """A task whose whole update is encrypted; without ``weights`` as for a device that holds the model."""
+    task = restart_task(fed, round_id, weights if weights is not None else init_params(SPEC, seed=0))
+    config = {**task.config, "mask": "all"}
+    if weights is None:
+        return dataclasses.replace(task, config=config, weights=(), param_names=())
+    return dataclasses.replace(task, config=config)
 
 
 async def test_a_restarted_device_trains_on_the_model_it_kept(
