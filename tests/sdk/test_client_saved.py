@@ -33,7 +33,7 @@ from fedsdk.crypto import generate_backend, load_backend
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import contribution_from_message, message_from_he_aggregate
-from fedsdk.protocol import EncryptedUpdate, Hello, Report, Status, Task, decode, encode
+from fedsdk.protocol import EncryptedUpdate, Error, Hello, Report, Status, Task, Update, decode, encode
 from fedsdk.protocol import topics as T
 from fedsdk.transport import Message, MqttTransport
 from fedsdk_coordinator.models import build_graphs, init_params
@@ -178,3 +178,66 @@ def test_a_kept_model_of_another_device_or_a_damaged_file_is_not_used(
         assert load_model(tmp_path, federation="fed", client_id="dev1") is None
     assert len([r for r in caplog.records if "not using the model kept" in r.getMessage()]) == 4
     assert load_model(tmp_path / "nowhere", federation="fed", client_id="dev1") is None  # nothing kept: quiet
+
+
+async def test_a_model_kept_from_another_run_is_dropped_and_the_device_says_so(
+    mosquitto: MosquittoProcess, tmp_path: Path
+) -> None:
+    """A state directory that holds round 5's model of an earlier run of the federation: the new run's
+    coordinator, told the device holds a model, sends round 1's task without weights. The device cannot
+    train round 1 from a round-5 model: it answers with an error, drops the model and says hello again with
+    ``model_round`` -1, so that its next task carries the federation's model, which it then trains from."""
+    fed = f"sv{secrets.token_hex(3)}"
+    digits = load_digits(shape="flat")
+    w0 = [np.asarray(w, np.float32) for w in init_params(SPEC, seed=0)]
+    old = [w + 1.0 for w in w0]
+    bundle = build_graphs(SPEC)
+    save_model(tmp_path, SavedModel(fed, "dev1", 0, 5, bundle.model_id, tuple(bundle.param_names), old))
+    queue: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def pump(t: MqttTransport) -> None:
+        async for m in t.messages():
+            queue.put_nowait(m)
+
+    async def next_of(kind: str) -> object:
+        while True:
+            m = await asyncio.wait_for(queue.get(), WAIT)
+            if m.topic.rsplit("/", 1)[1] == kind:
+                return decode(m.payload)
+
+    client = FedClient(
+        mosquitto.url,
+        client_id="dev1",
+        federation=fed,
+        data=(digits.x_train[:80], digits.y_train[:80]),
+        insecure=True,
+        timeout=5.0,
+        probe_bytes=0,
+        state_dir=tmp_path,
+    )
+    coordinator = MqttTransport.from_url(mosquitto.url, client_id="coordinator", insecure=True, timeout=5.0)
+    async with coordinator as co, client:
+        await co.subscribe(T.up_filter(fed))
+        pumping = asyncio.create_task(pump(co))
+        run = asyncio.create_task(client.run(timeout=120))
+        try:
+            await co.publish(T.status(fed), encode(Status("running", "epoch1")), retain=True)
+            hello = await next_of(T.HELLO)
+            assert isinstance(hello, Hello) and hello.device["model_round"] == 5
+            plain_task = restart_task(fed, 1, w0)  # mask none: this part is about the model, not HE
+            weightless = dataclasses.replace(plain_task, weights=(), param_names=())
+            await co.publish(T.down(fed, "dev1"), encode(weightless))
+            error = await next_of(T.ERROR)
+            assert isinstance(error, Error) and error.round_id == 1 and "another run" in error.reason
+            hello = await next_of(T.HELLO)
+            assert isinstance(hello, Hello) and hello.device["model_round"] == -1
+            assert client.weights is None
+            await co.publish(T.down(fed, "dev1"), encode(restart_task(fed, 2, w0)))
+            update = await next_of(T.UPDATE)
+            assert isinstance(update, Update) and update.round_id == 2
+            await co.publish(T.status(fed), encode(Status("finished", "epoch1", 2)), retain=True)
+            await asyncio.wait_for(run, WAIT)
+        finally:
+            run.cancel()
+            pumping.cancel()
+            await asyncio.gather(run, pumping, return_exceptions=True)

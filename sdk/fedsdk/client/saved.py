@@ -18,6 +18,9 @@ Decisions:
 * A file of another federation or device, of another format, unreadable or inconsistent is not used: the
   device logs why at WARNING and starts holding nothing, as without a state directory (it is rewritten at
   the next applied round).
+* A kept model that cannot be this run's (a task without weights for a round not after the kept model's:
+  the state directory of an earlier run of the federation) is dropped: the device answers that task with
+  an error and says hello again holding nothing, so that its next task brings the federation's model.
 * What it does not cover: a device that missed rounds while it was down restores the model of the last
   round it applied, not the cluster's current one, and trains from it as a holder (a stale base, closer to
   the cluster's model than the initial one); a round the old process trained in but had not applied is

@@ -166,6 +166,9 @@ class Work:
                 device.model_round = task.round_id - 1  # the task's model is round r-1's result
             return base
         if device.weights is not None:
+            if device.model_round >= task.round_id:  # kept on disk by another run of the federation: dropped
+                device.weights, device.model_round = None, -1  # (the device says so: Tasks.on_task)
+                raise TrainingError(f"the model kept (another run?) is not from before round {task.round_id}")
             self._shapes = self._shapes or [tuple(w.shape) for w in device.weights]  # a restored model
             return [w.copy() for w in device.weights]
         raise TrainingError("the task carries no model and this device holds none (joined late?)")
@@ -175,13 +178,12 @@ class Work:
         model_id = task.model_id or device.model_id
         model = device.models.get(model_id or "")
         if model is None:
-            names = task.param_names or self.names
-            if not task.train_graph or not task.eval_graph or not names:
+            if not task.train_graph or not task.eval_graph or not (task.param_names or self.names):
                 raise TrainingError(f"task for unknown model {task.model_id!r} carries no graphs")
             model = OnnxModel(
                 task.train_graph,
                 task.eval_graph,
-                names,
+                task.param_names or self.names,
                 self._shapes,
                 intra_op_num_threads=self._threads,
             )
@@ -380,9 +382,8 @@ class Tasks:
         summary.declined[verdict.code] = summary.declined.get(verdict.code, 0) + 1
         if phase == "train":
             await self._link.follow_cluster(task.cluster_id)
-            try:  # the round's aggregate is applied all the same, from the model this task starts from, and
-                # the model is built now: a later task (under HE, to a device that holds the model) may not
-                # carry what building it takes
+            try:  # the round's aggregate is applied all the same, from this task's model, built now: a later
+                # task (under HE, to a device that holds the model) may not carry what building it takes
                 device.pending[task.round_id] = Pending(task, self._work.base(task, phase))
                 self._work.model_for(task)
             except TrainingError as exc:
@@ -479,6 +480,8 @@ class Tasks:
                 client_id=device.client_id, round_id=task.round_id, code="device", reason=str(exc)[:500]
             )
             await self._reply(task, phase, T.ERROR, err)
+            if not task.weights and device.model_round < 0:  # it dropped the model it said it held
+                await link.say_hello(link.publish)
             return
 
         def trained(upload_s: float, nbytes: int) -> None:
