@@ -92,7 +92,7 @@ def load_model(state_dir: str | os.PathLike[str], *, federation: str, client_id:
         return None
     try:
         saved = _read(path)
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+    except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
         log.warning("not using the model kept in %s: %s", path, exc)
         return None
     if (saved.federation, saved.client_id) != (federation, client_id):
