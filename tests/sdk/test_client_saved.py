@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_client_restart import SPEC
+from test_client_restart import SPEC, Upstream
 from test_client_restart import make_task as restart_task
 
 from brokers import MosquittoProcess
@@ -33,13 +33,19 @@ from fedsdk.crypto import generate_backend, load_backend
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits
 from fedsdk.pipeline import contribution_from_message, message_from_he_aggregate
-from fedsdk.protocol import EncryptedUpdate, Error, Hello, Report, Status, Task, Update, decode, encode
+from fedsdk.protocol import EncryptedUpdate, Error, Hello, Report, Status, Task, Update, encode
 from fedsdk.protocol import topics as T
-from fedsdk.transport import Message, MqttTransport
+from fedsdk.transport import MqttTransport
 from fedsdk_coordinator.models import build_graphs, init_params
 
 pytestmark = pytest.mark.timeout(180)
 WAIT = 60.0
+
+
+class _Up(Upstream):
+    async def first(self, kind: str) -> object:
+        """The next message of ``kind``, decoded."""
+        return (await self.next(kind))[0]
 
 
 def make_task(fed: str, round_id: int, weights: list[np.ndarray] | None) -> Task:
@@ -62,17 +68,6 @@ async def test_a_restarted_device_trains_on_the_model_it_kept(
     params, public, secret = keyholder.params, keyholder.public_bytes(), keyholder.secret_bytes()
     coordinator_he = load_backend("packed", params, public)
     state = tmp_path / "state"
-    queue: asyncio.Queue[Message] = asyncio.Queue()
-
-    async def pump(t: MqttTransport) -> None:
-        async for m in t.messages():
-            queue.put_nowait(m)
-
-    async def next_of(kind: str) -> object:
-        while True:
-            m = await asyncio.wait_for(queue.get(), WAIT)
-            if m.topic.rsplit("/", 1)[1] == kind:
-                return decode(m.payload)
 
     def device() -> FedClient:
         return FedClient(
@@ -91,22 +86,22 @@ async def test_a_restarted_device_trains_on_the_model_it_kept(
         mosquitto.url, client_id="coordinator", insecure=True, timeout=5.0
     ) as co:
         await co.subscribe(T.up_filter(fed))
-        pumping = asyncio.create_task(pump(co))
+        up = _Up(co)
         try:
             first = device()
             assert first.weights is None  # nothing kept yet
             async with first:
                 run = asyncio.create_task(first.run(timeout=120))
                 await co.publish(T.status(fed), encode(Status("running", "epoch1")), retain=True)
-                hello = await next_of(T.HELLO)
+                hello = await up.first(T.HELLO)
                 assert isinstance(hello, Hello) and hello.device["model_round"] == -1
                 await co.publish(T.down(fed, "dev1"), encode(make_task(fed, 1, w0)))
-                update = await next_of(T.UPDATE)
+                update = await up.first(T.UPDATE)
                 assert isinstance(update, EncryptedUpdate)
                 agg = coordinator_he.aggregate([contribution_from_message(update)])
                 msg = message_from_he_aggregate(agg, round_id=1, cluster_id=0, total_samples=80, metrics={})
                 await co.publish(T.cluster(fed, 0), encode(msg), retain=True)
-                report = await next_of(T.REPORT)
+                report = await up.first(T.REPORT)
                 assert isinstance(report, Report) and report.round_id == 1
                 for _ in range(100):  # the model is written after the report
                     if (state / MODEL_FILE).is_file():
@@ -129,20 +124,19 @@ async def test_a_restarted_device_trains_on_the_model_it_kept(
             async with second:
                 run = asyncio.create_task(second.run(timeout=120))
                 await co.publish(T.status(fed), encode(Status("running", "epoch2")), retain=True)
-                hello = await next_of(T.HELLO)
+                hello = await up.first(T.HELLO)
                 assert isinstance(hello, Hello) and hello.device["model_round"] == 1
                 await co.publish(
                     T.down(fed, "dev1"), encode(make_task(fed, 2, None))
                 )  # no weights: it holds one
-                update = await next_of(T.UPDATE)
+                update = await up.first(T.UPDATE)
                 assert isinstance(update, EncryptedUpdate) and update.round_id == 2
                 got = coordinator_he.aggregate([contribution_from_message(update)])
                 sent = keyholder.decrypt_aggregate(got)
                 await co.publish(T.status(fed), encode(Status("finished", "epoch2", 2)), retain=True)
                 await asyncio.wait_for(run, WAIT)
         finally:
-            pumping.cancel()
-            await asyncio.gather(pumping, return_exceptions=True)
+            await up.close()
     # the update of training round 2 from the kept model, as the device's trainer does it
     bundle = build_graphs(SPEC)
     model = OnnxModel(bundle.train_graph, bundle.eval_graph, bundle.param_names, [w.shape for w in w0])
@@ -194,17 +188,6 @@ async def test_a_model_kept_from_another_run_is_dropped_and_the_device_says_so(
     old = [w + 1.0 for w in w0]
     bundle = build_graphs(SPEC)
     save_model(tmp_path, SavedModel(fed, "dev1", 0, 5, bundle.model_id, tuple(bundle.param_names), old))
-    queue: asyncio.Queue[Message] = asyncio.Queue()
-
-    async def pump(t: MqttTransport) -> None:
-        async for m in t.messages():
-            queue.put_nowait(m)
-
-    async def next_of(kind: str) -> object:
-        while True:
-            m = await asyncio.wait_for(queue.get(), WAIT)
-            if m.topic.rsplit("/", 1)[1] == kind:
-                return decode(m.payload)
 
     client = FedClient(
         mosquitto.url,
@@ -219,26 +202,26 @@ async def test_a_model_kept_from_another_run_is_dropped_and_the_device_says_so(
     coordinator = MqttTransport.from_url(mosquitto.url, client_id="coordinator", insecure=True, timeout=5.0)
     async with coordinator as co, client:
         await co.subscribe(T.up_filter(fed))
-        pumping = asyncio.create_task(pump(co))
+        up = _Up(co)
         run = asyncio.create_task(client.run(timeout=120))
         try:
             await co.publish(T.status(fed), encode(Status("running", "epoch1")), retain=True)
-            hello = await next_of(T.HELLO)
+            hello = await up.first(T.HELLO)
             assert isinstance(hello, Hello) and hello.device["model_round"] == 5
             plain_task = restart_task(fed, 1, w0)  # mask none: this part is about the model, not HE
             weightless = dataclasses.replace(plain_task, weights=(), param_names=())
             await co.publish(T.down(fed, "dev1"), encode(weightless))
-            error = await next_of(T.ERROR)
+            error = await up.first(T.ERROR)
             assert isinstance(error, Error) and error.round_id == 1 and "another run" in error.reason
-            hello = await next_of(T.HELLO)
+            hello = await up.first(T.HELLO)
             assert isinstance(hello, Hello) and hello.device["model_round"] == -1
             assert client.weights is None
             await co.publish(T.down(fed, "dev1"), encode(restart_task(fed, 2, w0)))
-            update = await next_of(T.UPDATE)
+            update = await up.first(T.UPDATE)
             assert isinstance(update, Update) and update.round_id == 2
             await co.publish(T.status(fed), encode(Status("finished", "epoch1", 2)), retain=True)
             await asyncio.wait_for(run, WAIT)
         finally:
             run.cancel()
-            pumping.cancel()
-            await asyncio.gather(run, pumping, return_exceptions=True)
+            await asyncio.gather(run, return_exceptions=True)
+            await up.close()
