@@ -14,7 +14,9 @@ step is the product's own code path:
   of that rank when the expected aggregate arrives;
 * ``share bundle in``: the bundle of every device's sealed share decoded and each seal opened;
 * ``merge``: ``merge_aggregate``, the union's plaintexts decoded to the averaged update;
-* and, for the other arm, ``plaintext update message`` and ``plaintext aggregate in``.
+* and, for the other arm, ``plaintext update message`` and ``plaintext aggregate in``;
+* for reference: one obfuscator (``ObfuscatorFactory.make_one``: h^α over a fixed base, what the pool
+  makes in idle time) and python-paillier's own ``raw_encrypt`` of one pack (a uniform r^n).
 
 *Warm*: the step repeated back to back (what a micro-benchmark shows; for ``encrypt`` the pool is
 filled again between repetitions, untimed). *Cold*: 64 MiB streamed through
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         total_samples=weight * args.devices,
     )
     plain_agg_env = encode(plain_agg)
+    m0 = int(sums[0])  # a pack's plaintext, below n
 
     steps: list[tuple[str, Callable[[], Any], Callable[[], Any] | None]] = [
         (f"encrypt ({packs} packs from the pool)", lambda: he.encrypt_update(updates[0], weight), full_pool),
@@ -172,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         (f"merge ({packs} packs)", lambda: he.merge_aggregate(agg, sums), None),
         ("plaintext update message", lambda: encode(plain_update), None),
         ("plaintext aggregate in", lambda: decode(plain_agg_env), None),
+        ("obfuscator, one (made in idle time)", he.factory.make_one, None),
+        ("phe raw_encrypt, one pack (for comparison)", lambda: he.keys.public_key.raw_encrypt(m0), None),
     ]
     rows = []
     for name, step, before in steps:
         warm = cpu_ms(step, cold=False, repeats=args.repeats, before=before)
         cold = cpu_ms(step, cold=True, repeats=args.repeats, before=before)
         rows.append({"step": name, "warm_ms": warm, "cold_ms": cold})
-    hits = he.prepared_opened  # the last step left the openings prepared: they must open rank 0 exactly
+    hits = he.prepared_opened  # the prepared step's openings (no later step touches them) must open rank 0
     if he.decrypt_ranks(agg, [0]) != sums[:1] or he.prepared_opened != hits + 1:
         raise SystemExit("the prepared opening was not used or opened wrongly")
     he.close()

@@ -14,8 +14,8 @@ Any n-th residue decrypts away (``x^λ ≡ 1 mod n²``), so every ciphertext bel
 Damgård–Jurik–Nielsen variant of Paillier): ``x = h^α mod n²`` with ``h = y^n mod n²`` a fixed n-th residue
 and α uniform in ``[0, 2^ℓ)``. Because h is fixed, ``h^α`` is a fixed-base exponentiation: with a table of
 ``h^(d·256^i)`` (:class:`FixedBase`, 8-bit windows) it costs ℓ/8 multiplications and no squaring, about
-65-110 µs at |n| = 2048 against 7.6-11.6 ms for phe's ``r^n mod n²`` (one core of a shared VM, by day;
-docs/crypto.md, "Encryption cost and the obfuscator pool").
+65-110 µs at |n| = 2048 against 7.6-11.4 ms for phe's ``r^n mod n²`` (one core of a shared VM, by day;
+``python benchmarks/he_steps.py``; docs/crypto.md, "Encryption cost and the obfuscator pool").
 
 * *Distribution.* Paillier's semantic security (under DCR) needs x indistinguishable from a uniform n-th
   residue. Damgård, Jurik and Nielsen (“A generalization of Paillier's public-key system with
