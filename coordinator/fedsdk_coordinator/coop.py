@@ -27,32 +27,61 @@ Decisions:
   costs it nothing, while relaying each one would cost every device one message per device of its
   cluster: measured in the fleet benchmark's system scenario (20 devices in 4 worker processes on 2
   cores), relaying one by one left the devices 0.12-0.23 s waiting for shares (docs/benchmarks.md).
+* **The last devices to finish get no part.** A device prepares the openings of its part while it waits
+  for the aggregate (``fedsdk.client.decryption``), and the bundle waits for its share: a device that sends
+  its update last has no wait to prepare in, so its part is prepared and opened after the aggregate, while
+  the whole cluster waits for its share. The devices whose measured training time is within
+  ``LATE_MARGIN`` (10 %) of the slowest one's therefore decrypt nothing for the others; they open the
+  bundle like everyone. Measured in the fleet benchmark's system scenario (``mlp``, 4,810 parameters, 20
+  devices, ms after the aggregate went out, rounds 2-30): the slowest devices (k = 45) took 15 ms after the
+  aggregate to finish preparing and their share reached the coordinator last, at 30 ms (2048-bit keys,
+  seed 2, timestamps added for the measurement); with no part for them, the path from the aggregate to the
+  last report fell from 65, 67 and 82 ms to 54, 54 and 51 (2048 bits seeds 1 and 3, 3072 bits seed 1;
+  docs/benchmarks.md). A wider margin (no part for every device training at 60 % of the slowest's time or
+  more) left too few devices holding the decryption and gained nothing more.
 * A cluster of one device gets no split: there is nothing to share.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
-__all__ = ["share_split"]
+__all__ = ["LATE_MARGIN", "last_to_finish", "share_split"]
+
+LATE_MARGIN = 0.1  # a device training within 10 % of the slowest one's time gets no part (module docstring)
 
 
-def share_split(speeds: Mapping[str, float | None]) -> dict[str, tuple[float, float]]:
+def share_split(
+    speeds: Mapping[str, float | None], late: Collection[str] = ()
+) -> dict[str, tuple[float, float]]:
     """Contiguous fractions ``[lo, hi)`` of [0, 1) per device, in client-id order, each proportional to the
-    device's speed (unknown: the median of the known speeds; none known: equal). Empty for fewer than two
-    devices."""
+    device's speed (unknown: the median of the known speeds; none known: equal); the devices in ``late``
+    (:func:`last_to_finish`) get an empty part, unless that would leave no device a part. Empty for fewer
+    than two devices."""
     if len(speeds) < 2:
         return {}
     known = [float(v) for v in speeds.values() if v is not None and v > 0]
     fill = statistics.median(known) if known else 1.0
     weights = {c: (float(v) if v is not None and v > 0 else fill) for c, v in speeds.items()}
+    if set(weights) - set(late):
+        weights.update({c: 0.0 for c in late if c in weights})
     total = sum(weights.values())
+    ids = sorted(weights)
+    last = max(i for i, c in enumerate(ids) if weights[c] > 0)  # its part ends at 1.0 exactly
     out: dict[str, tuple[float, float]] = {}
     acc = 0.0
-    ids = sorted(weights)
     for i, cid in enumerate(ids):
-        hi = 1.0 if i == len(ids) - 1 else min(1.0, acc + weights[cid] / total)
+        hi = 1.0 if i >= last else min(1.0, acc + weights[cid] / total)
         out[cid] = (acc, hi)
         acc = hi
     return out
+
+
+def last_to_finish(train_s: Mapping[str, float], margin: float = LATE_MARGIN) -> set[str]:
+    """The devices whose measured training time is within ``margin`` (a fraction) of the slowest one's:
+    those that send their update last. None while nothing is measured."""
+    top = max(train_s.values(), default=0.0)
+    if top <= 0:
+        return set()
+    return {c for c, t in train_s.items() if t >= (1.0 - margin) * top}

@@ -12,6 +12,7 @@ from engines import make_engine
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError
 from fedsdk.protocol import Task, decode
+from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.strategies import ClusterPlan
 
 
@@ -32,6 +33,19 @@ def test_which_federations_split_the_decryption(
     assert e.strategy.coop is coop
     assert bool(e.strategy.shares(ClusterPlan(["d0", "d1", "d2"], 0, e.measured))) is coop
     assert e.strategy.shares(ClusterPlan(["solo"], 0, e.measured)) == {}  # nobody to share with
+
+
+def test_the_devices_measured_last_to_train_get_no_part(tmp_path: Path, public: dict[str, HEBackend]) -> None:
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk")
+    measured = {
+        "d0": Measured(train_s=0.10, decrypt_values_per_s=3e4),
+        "d1": Measured(train_s=0.20, decrypt_values_per_s=1e4),
+        "d2": Measured(train_s=0.46, decrypt_values_per_s=1e4),  # within 10 % of the slowest
+        "d3": Measured(train_s=0.48, decrypt_values_per_s=1e4),
+    }
+    shares = e.strategy.shares(ClusterPlan(list(measured), 0, measured))
+    assert shares["d0"] == pytest.approx((0.0, 0.75)) and shares["d1"] == pytest.approx((0.75, 1.0))
+    assert shares["d2"] == shares["d3"] == (1.0, 1.0)
 
 
 def test_asking_for_it_where_it_cannot_work_is_an_error(tmp_path: Path, public: dict[str, HEBackend]) -> None:

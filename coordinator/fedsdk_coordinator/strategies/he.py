@@ -28,7 +28,7 @@ from fedsdk.crypto.running import RunningSum
 from fedsdk.errors import CryptoError, ValidationError
 from fedsdk.protocol import BaseMessage, EncryptedUpdate, Update, encode
 from fedsdk_coordinator.consensus import consensus_mask
-from fedsdk_coordinator.coop import share_split
+from fedsdk_coordinator.coop import last_to_finish, share_split
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState, within_total_weight
 from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
@@ -70,10 +70,12 @@ class HEStrategy(Strategy):
         if not self.coop:  # coop needs the packed backend and key mode shared (Strategy)
             return {}
         speeds: dict[str, float | None] = {}
+        train_s: dict[str, float] = {}
         for cid in plan.members:
             m = plan.measured.get(cid) or Measured()
             speeds[cid] = m.decrypt_values_per_s or m.he_values_per_s
-        return share_split(speeds)
+            train_s[cid] = m.train_s
+        return share_split(speeds, late=last_to_finish(train_s))
 
     def task_options(self, cluster_id: int, phase: str) -> dict[str, Any]:
         out = super().task_options(cluster_id, phase)

@@ -27,7 +27,7 @@ from fedsdk.crypto import (
 )
 from fedsdk.crypto.shares import ShareSealer
 from fedsdk.errors import CiphertextError, CryptoError
-from fedsdk_coordinator.coop import share_split
+from fedsdk_coordinator.coop import last_to_finish, share_split
 
 CLIP = 0.5
 FIXED = FixedPoint(
@@ -54,10 +54,15 @@ def packed(keys: PaillierKeys) -> Iterator[tuple[HEBackend, HEBackend]]:
 speeds = st.lists(st.one_of(st.none(), st.floats(0.01, 1e4)), min_size=2, max_size=40)
 
 
-@given(speeds=speeds, n_union=st.integers(0, 500))
-def test_fractions_partition_the_union_on_every_device(speeds: list[float | None], n_union: int) -> None:
-    split = share_split({f"d{i:02d}": s for i, s in enumerate(speeds)})
+@given(speeds=speeds, n_union=st.integers(0, 500), late=st.sets(st.integers(0, 40)))
+def test_fractions_partition_the_union_on_every_device(
+    speeds: list[float | None], n_union: int, late: set[int]
+) -> None:
+    late_ids = {f"d{i:02d}" for i in late}
+    split = share_split({f"d{i:02d}": s for i, s in enumerate(speeds)}, late=late_ids)
     assert len(split) == len(speeds)
+    if set(split) - late_ids:  # someone decrypts: the late devices decrypt nothing
+        assert all(split[c][0] == split[c][1] for c in late_ids & set(split))
     bounds = [split[c] for c in sorted(split)]
     assert bounds[0][0] == 0.0 and bounds[-1][1] == 1.0
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))  # contiguous
@@ -78,6 +83,16 @@ def test_split_follows_speed_and_fills_unknowns_with_the_median() -> None:
     assert share_split({"solo": 5.0}) == {}
     equal = share_split({"x": None, "y": None})
     assert equal == {"x": (0.0, 0.5), "y": (0.5, 1.0)}
+
+
+def test_the_last_devices_to_finish_get_no_part() -> None:
+    trains = {"a": 0.10, "b": 0.30, "c": 0.475, "d": 0.50, "e": 0.0}
+    assert last_to_finish(trains) == {"c", "d"}  # within 10 % of the slowest
+    assert last_to_finish({"a": 0.0, "b": 0.0}) == set()  # nothing measured yet
+    split = share_split({"a": 1.0, "b": 3.0, "c": 2.0, "d": 2.0}, late={"c", "d"})
+    assert split["a"] == pytest.approx((0.0, 0.25)) and split["b"] == pytest.approx((0.25, 1.0))
+    assert split["c"] == split["d"] == (1.0, 1.0)
+    assert share_split({"a": 1.0, "b": 1.0}, late={"a", "b"}) == {"a": (0.0, 0.5), "b": (0.5, 1.0)}
 
 
 def test_no_or_bad_fractions_mean_no_share() -> None:
