@@ -222,8 +222,11 @@ def deadline_plan(
     by the deadline) can encrypt K values *and* decrypt U(K) in time, T_i(K) + U(K) / d_i ≤ deadline with
     d_i = ``decrypt_values_per_s`` (monotone in K: bisection); each device then gets k_i = min(K, the largest
     k with T_i(k) + U(K) / d_i ≤ deadline). Devices without a measured d_i do not constrain K and pay no
-    modelled decryption (the first HE round measures it). With cooperative decryption (``decrypt_shares``:
-    device → its fraction s_i of the union, coop.py) device i decrypts s_i·U(K) instead of U(K); it still
+    modelled decryption (the first HE round measures it); nor does a device whose part of a cooperative
+    decryption is empty (below): lowering K does not shorten its round, so a slow device that cannot
+    encrypt its whole update in time gets a budget below 1 for itself, not for the cluster. With
+    cooperative decryption (``decrypt_shares``: device → its fraction s_i of the union, coop.py) device i
+    decrypts s_i·U(K) instead of U(K); it still
     waits for the others' shares, but they are split in proportion to speed, so s_j·U / d_j is about the
     same for every j and the device's own term stands for the wait. Decision: the deadline is the whole
     round's, so a cluster whose slowest device has no slack gets K ≈ 0, and the mask solver's security floor
@@ -263,11 +266,14 @@ def deadline_plan(
     cap, union = float(n), 0.0
     if union_factor is not None:
         factor = union_factor
-        # devices that can finish at all (plaintext by the deadline) and whose decryption speed is known
+        # devices that can finish at all (plaintext by the deadline), whose decryption speed is known and
+        # that decrypt some of the union: one with no part of it is held to the deadline by its own budget
+        # only, and a cap on the others would not give it a moment more
         binding = [
             d
             for d in devices
             if d.decrypt_values_per_s is not None
+            and share(d) > 0
             and _round_time(d, 0.0, n, p, c, warm_of(d), t_warm_of(d)) <= deadline_s
         ]
 

@@ -329,6 +329,26 @@ def test_cooperative_decryption_counts_only_each_devices_part_by_hand() -> None:
     assert plan["slow"].alpha > 2 * alone["slow"].alpha  # 0.70 against 0.074: the union is decrypted once
 
 
+def test_a_device_with_no_part_of_the_decryption_does_not_cap_the_others_by_hand() -> None:
+    # slow trains 0.9 s and cannot encrypt its whole update by the 1 s deadline: T(k) = 0.94 + 1.6e-4·k,
+    # so k = 0.06 / 1.6e-4 = 375 values. It decrypts nothing for the cluster (coop.py gives the last
+    # devices to finish no part), so a cap on the union would not shorten its round: fast keeps
+    # encrypting everything (0.3 s + its whole union, 1000 / 2e4 s), and only slow's budget is below 1.
+    fast = DeviceCapacity("fast", 1e5, 1e4, train_s=0.1, decrypt_values_per_s=2e4)
+    slow = DeviceCapacity("slow", 1e5, 1e4, train_s=0.9, decrypt_values_per_s=1e3)
+    kw: dict[str, Any] = dict(
+        n_values=1000, deadline_s=1.0, cipher_bytes_per_value=10, plain_bytes_per_value=4, union_factor=1.0
+    )
+    plan = deadline_plan([fast, slow], decrypt_shares={"fast": 1.0, "slow": 0.0}, **kw)
+    assert plan["fast"].alpha == 1.0 and plan["fast"].status == "full"
+    assert plan["fast"].decrypt_s == pytest.approx(1000 / 2e4)
+    assert plan["slow"].alpha == pytest.approx(0.375) and plan["slow"].decrypt_s == 0.0
+    assert plan["slow"].predicted_s == pytest.approx(1.0) and plan["slow"].status == "partial"
+    # with a part of its own, slow's decryption does depend on the cap: everyone is held to what it can do
+    held = deadline_plan([fast, slow], decrypt_shares={"fast": 0.5, "slow": 0.5}, **kw)
+    assert held["fast"].alpha == pytest.approx(held["slow"].alpha) and held["fast"].alpha < 0.375
+
+
 # -- what choosing a partial mask costs ---------------------------------------------------------------
 
 
