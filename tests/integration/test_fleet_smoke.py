@@ -68,9 +68,15 @@ def test_fedsdk_encrypts_with_budgets_aimed_at_the_plaintext_round(run: dict[str
     assert 0.0 < fed["encrypted_ratio"] <= 1.0 and fed["union_ratio"] >= fed["encrypted_ratio"] - 1e-9
     assert fed["target_round_s"] == pytest.approx(plain["mean_round_s"])
     assert fed["bytes_up"] > plain["bytes_up"]  # ciphertexts are larger than float32 values
-    # every device decrypted the union (key mode shared), so each has HE time: encryption + decryption
+    # key mode shared: the cluster decrypts the union together, so devices have HE time (encryption +
+    # decryption); the devices measured last to train get no part of it (coop.py), only the slower ones
     assert fed["he_spread"] is not None and fed["he_spread"] >= 1.0
-    assert all(d["decrypt"] > 0 and d["he_s"] >= d["decrypt"] for d in fed["devices"].values())
+    devs = fed["devices"]
+    assert all(d["he_s"] >= d["decrypt"] >= 0 for d in devs.values())
+    assert any(d["decrypt"] > 0 for d in devs.values())
+    (sc,) = run["scenarios"]
+    speed = {d["client_id"]: d["speed_factor"] for d in sc["devices"]}
+    assert all(speed[cid] == max(speed.values()) for cid, d in devs.items() if d["decrypt"] == 0)
 
 
 def test_devices_are_emulated_as_profiled(run: dict[str, Any]) -> None:
