@@ -36,9 +36,9 @@ Decisions:
   devices, ms after the aggregate went out, rounds 2-30): the slowest devices (k = 45) took 15 ms after the
   aggregate to finish preparing and their share reached the coordinator last, at 30 ms (2048-bit keys,
   seed 2, timestamps added for the measurement); with no part for them, the path from the aggregate to the
-  last report fell from 65, 67 and 82 ms to 54, 54 and 51 (2048 bits seeds 1 and 3, 3072 bits seed 1;
-  docs/benchmarks.md). A wider margin (no part for every device training at 60 % of the slowest's time or
-  more) left too few devices holding the decryption and gained nothing more.
+  last report fell from 65, 70, 67 and 82 ms to 54, 53, 54 and 51 (2048 bits seeds 1, 2 and 3, 3072 bits
+  seed 1; docs/benchmarks.md). A wider margin (no part for every device training at 60 % of the
+  slowest's time or more) left too few devices holding the decryption and gained nothing more.
 * A cluster of one device gets no split: there is nothing to share.
 """
 

@@ -81,5 +81,8 @@ def test_the_figures_and_their_observations_survive_the_store() -> None:
     # a store written before the observations were kept, and one holding junk
     old = {k: v for k, v in m.as_dict().items() if k != "recent"}
     assert Measured.from_dict(old).recent == {}
-    junk = dict(m.as_dict(), recent={"train_s": "x", "nope": [1.0], "uplink_bytes_per_s": [1.0] * 9})
-    assert Measured.from_dict(junk).recent == {"uplink_bytes_per_s": [1.0] * RECENT}
+    junk = dict(
+        m.as_dict(),
+        recent={"train_s": "x", "nope": [1.0], "uplink_bytes_per_s": [1.0] * 9, "he_values_per_s": [2, "y"]},
+    )
+    assert Measured.from_dict(junk).recent == {"uplink_bytes_per_s": [1.0] * RECENT, "he_values_per_s": [2.0]}

@@ -61,7 +61,7 @@ class Measured:
         recent = kept.get("recent")  # absent in a store written before it was kept
         kept["recent"] = (
             {
-                str(k): [float(x) for x in v][-RECENT:]
+                str(k): [float(x) for x in v if isinstance(x, int | float)][-RECENT:]
                 for k, v in recent.items()
                 if isinstance(v, list) and k in cls.__dataclass_fields__
             }
