@@ -78,13 +78,6 @@ def _parser() -> argparse.ArgumentParser:
         "the report flags it)",
     )
     p.add_argument("--time-scale", type=float, default=None, help="S (default: auto, 1.5·devices/cores)")
-    p.add_argument(
-        "--train-cost",
-        choices=("measured", "least"),
-        default="measured",
-        help="what a training step costs an emulated device: its CPU time, or the least its training has "
-        "taken in the run (docs/benchmarks.md, 'How the emulation works')",
-    )
     p.add_argument("--processes", type=int, default=4, help="device worker processes per arm")
     p.add_argument("--pool", type=int, default=256, help="obfuscator pool per device (fedsdk)")
     p.add_argument("--uplink-scale", type=float, default=1.0, help="multiply every bandwidth")
@@ -253,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         key_bits=args.key_bits,
         processes=args.processes,
         pool=args.pool,
-        train_cost=args.train_cost,
         arm_timeout_s=args.arm_timeout,
         mask_B=args.mask_B,
         mask_C=args.mask_C,

@@ -40,15 +40,6 @@ the device. The emulation therefore measures what a step *costs* and decides how
   control both arms carry that contention, and the ``fedsdk`` ratio against it is reported beside the
   plain one. Measured at the product's defaults, the control arm's round matched plaintext's within the
   noise (docs/benchmarks.md): the pools are not what makes the ``fedsdk`` arm dearer.
-* **Training cost** (``train_cost``, ``--train-cost``). ``measured`` (the default): each training step
-  costs the CPU time it took, as every other step. ``least``: it costs the least CPU time this device's
-  training has taken so far in the run. A device trains the same work every round (the same samples,
-  epochs and batch size, so the same number of steps of the same graph), so the least is the nearest to
-  its cost on a core nobody else uses, while each round's own figure carries what the *other* emulated
-  devices, the coordinator and the broker did on the same two cores meanwhile (up to about 2×, above),
-  which on real hardware run elsewhere. Both arms of a comparison get the same rule; it changes only
-  training, not the HE steps, whose cost is what the comparison is about. The device really trains every
-  round either way, and reports the emulated time (``train_s``) the rule gives.
 * **Uplink**: the transport's token bucket (``MqttTransport.rate_limit_bytes_per_s``); every outgoing frame
   waits its serialisation time. The broker, the coordinator and the key server are not slowed down.
 
@@ -63,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -80,17 +70,8 @@ from fedsdk.protocol import BaseMessage, Hello
 from fedsdk.protocol import topics as T
 from fedsdk_bench.fleet.scenarios import DeviceProfile
 
-__all__ = [
-    "TRAIN_COSTS",
-    "DilatedFactory",
-    "Dilation",
-    "EmulatedClient",
-    "StepTiming",
-    "TrainCost",
-    "cpu_he_throughput",
-]
+__all__ = ["DilatedFactory", "Dilation", "EmulatedClient", "StepTiming", "cpu_he_throughput"]
 
-TRAIN_COSTS = ("measured", "least")  # what a training step costs (module docstring, "Training cost")
 _TIMED_PARTS = ("sensitivity_s", "mask_s", "encode_s", "encrypt_s")
 
 
@@ -100,7 +81,6 @@ class StepTiming:
     wall_s: float = 0.0  # before the emulation's sleep
     emulated_s: float = 0.0
     overrun_s: float = 0.0
-    cpu_adjust_s: float = 0.0  # set inside the step: added to its measured CPU time (training's least cost)
 
 
 class Dilation:
@@ -130,7 +110,7 @@ class Dilation:
             yield timing
         finally:
             self._local.depth = 0
-        timing.cpu_s = max(time.thread_time() - c0 + timing.cpu_adjust_s, 0.0)
+        timing.cpu_s = time.thread_time() - c0
         timing.wall_s = time.perf_counter() - w0
         target = self.k * timing.cpu_s
         if timing.wall_s < target:
@@ -149,21 +129,6 @@ class Dilation:
             s["overrun_s"] += timing.overrun_s
             s["overruns"] += timing.overrun_s > 0.001
             s["late_s"] += late
-
-
-class TrainCost:
-    """What a training step costs an emulated device, from the CPU time it took (module docstring,
-    "Training cost"): ``measured``, that time; ``least``, the least of this device's so far."""
-
-    def __init__(self, rule: str = "measured") -> None:
-        if rule not in TRAIN_COSTS:
-            raise ConfigError(f"train_cost must be one of {', '.join(TRAIN_COSTS)}, got {rule!r}")
-        self.rule = rule
-        self.least = math.inf
-
-    def cost(self, cpu_s: float) -> float:
-        self.least = min(self.least, cpu_s)
-        return self.least if self.rule == "least" else cpu_s
 
 
 @dataclass(frozen=True)
@@ -219,14 +184,10 @@ class EmulatedClient(FedClient):
         pool_capacity: int = 0,
         he: HEBackend | None = None,
         control: HEBackend | None = None,
-        train_cost: str = "measured",
         **kwargs: Any,
     ) -> None:
-        train = TrainCost(train_cost)  # refuses an unknown rule before anything starts
         super().__init__(broker_url, client_id=profile.client_id, he=he, pool_capacity=0, **kwargs)
         self.profile = profile
-        self.train_cost = train_cost
-        self._train = train
         self.time_scale = float(time_scale)
         self.dilation = Dilation(time_scale, profile.speed_factor)
         self._emu_pool = int(pool_capacity)
@@ -242,7 +203,6 @@ class EmulatedClient(FedClient):
         self.timeline: dict[int, dict[str, float]] = {}
         self.sketch_timeline: dict[str, float] = {}
         self._fit_timing = (0.0, 0.0)
-        self._fit_adjust = 0.0  # least training cost − this training's CPU time (train_cost "least")
         self._boundary = (0, 0)
         self._decrypt_s: dict[int, float] = {}  # emulated decryption time per applied round
 
@@ -307,10 +267,7 @@ class EmulatedClient(FedClient):
     def _fit(self, task: Any, base: list[np.ndarray]) -> Any:
         c0, w0 = time.thread_time(), time.perf_counter()
         result = super()._fit(task, base)
-        cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
-        cost = self._train.cost(cpu)
-        self._fit_adjust = cost - cpu
-        self._fit_timing = (cost, wall)
+        self._fit_timing = (time.thread_time() - c0, time.perf_counter() - w0)
         return result
 
     def _emulated_parts(self, step: StepTiming, metrics: dict[str, float]) -> dict[str, float]:
@@ -335,10 +292,8 @@ class EmulatedClient(FedClient):
         pool = None if self._control is None else getattr(self._control, "pool", None)
         packs = 0 if self._control is None else self._control.num_packs(sum(int(b.size) for b in base))
         quiet = contextlib.nullcontext() if pool is None else pool.quiet(packs)  # as FedClient holds its own
-        self._fit_adjust = 0.0
         with quiet, self.dilation.step("train") as step:
             msg, record = super()._train_and_protect(task, base)
-            step.cpu_adjust_s = self._fit_adjust
             if pool is not None:
                 self._control_taken += len(pool.take(packs))  # what encrypting the update would have used
         metrics = dict(getattr(msg, "metrics", {}))
@@ -418,7 +373,6 @@ class EmulatedClient(FedClient):
             "client_id": self.client_id,
             "profile": dataclasses.asdict(self.profile),
             "time_scale": self.time_scale,
-            "train_cost": self.train_cost,
             "k": self.dilation.k,
             "state": s.state,
             "cluster_id": s.cluster_id,

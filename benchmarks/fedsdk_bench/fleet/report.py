@@ -136,13 +136,7 @@ def markdown(doc: dict[str, Any], checks: list[Check]) -> str:
         f"{cfg['pool']} for `fedsdk`, mask policy {cfg.get('mask_policy')} "
         f"(B {cfg.get('mask_B') or 'default'}, C {cfg.get('mask_C') or 'default'}). "
         "Time scale S per scenario: the fastest emulated device "
-        "computes at 1/S of one core of this machine."
-        + (
-            " Training costs each device the least CPU time its training took in the run "
-            "(`--train-cost least`), not each round's own."
-            if cfg.get("train_cost") == "least"
-            else ""
-        ),
+        "computes at 1/S of one core of this machine.",
         "",
     ]
     for sc in doc["scenarios"]:

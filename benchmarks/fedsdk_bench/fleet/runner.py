@@ -47,7 +47,6 @@ class FleetConfig:
     seed: int = 0
     key_bits: int = 1024
     time_scale: float = 12.0
-    train_cost: str = "measured"  # or "least" (emulation.py, "Training cost")
     processes: int = 4
     pool: int = 256  # obfuscators per device, for strategies that precompute them
     deadline_s: float = 3600.0  # the coordinator's deadline: long, every device is waited for
@@ -323,7 +322,6 @@ async def run_arm(
                         "broker_url": broker.url,
                         "federation": FEDERATION,
                         "time_scale": cfg.time_scale,
-                        "train_cost": cfg.train_cost,
                         "timeout": cfg.arm_timeout_s,
                         "client_options": cfg.client_options,
                         "out": str(out),

@@ -57,7 +57,6 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 spec["broker_url"],
                 profile=profile,
                 time_scale=float(spec["time_scale"]),
-                train_cost=str(spec.get("train_cost", "measured")),
                 pool_capacity=int(d.get("pool", 0)),
                 he=he,
                 control=control,
