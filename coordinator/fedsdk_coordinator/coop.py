@@ -27,18 +27,20 @@ Decisions:
   costs it nothing, while relaying each one would cost every device one message per device of its
   cluster: measured in the fleet benchmark's system scenario (20 devices in 4 worker processes on 2
   cores), relaying one by one left the devices 0.12-0.23 s waiting for shares (docs/benchmarks.md).
-* **The last devices to finish get no part.** A device prepares the openings of its part while it waits
-  for the aggregate (``fedsdk.client.decryption``), and the bundle waits for its share: a device that sends
-  its update last has no wait to prepare in, so its part is prepared and opened after the aggregate, while
-  the whole cluster waits for its share. The devices whose measured training time is within
-  ``LATE_MARGIN`` (10 %) of the slowest one's therefore decrypt nothing for the others; they open the
-  bundle like everyone. Measured in the fleet benchmark's system scenario (``mlp``, 4,810 parameters, 20
-  devices, ms after the aggregate went out, rounds 2-30): the slowest devices (k = 45) took 15 ms after the
-  aggregate to finish preparing and their share reached the coordinator last, at 30 ms (2048-bit keys,
-  seed 2, timestamps added for the measurement); with no part for them, the path from the aggregate to the
-  last report fell from 65, 70, 67 and 82 ms to 54, 53, 54 and 51 (2048 bits seeds 1, 2 and 3, 3072 bits
-  seed 1; docs/benchmarks.md). A wider margin (no part for every device training at 60 % of the
-  slowest's time or more) left too few devices holding the decryption and gained nothing more.
+* **The last devices to finish get no part.** A device prepares the openings of its part while it waits for
+  the aggregate (``fedsdk.client.decryption``), and the bundle waits for its share: a device that sends its
+  update last has no wait to prepare in, so its part is prepared and opened after the aggregate, while the
+  whole cluster waits for its share. The devices whose measured training time is within ``LATE_MARGIN``
+  (10 %) of the slowest one's therefore decrypt nothing for the others, at most a quarter of the cluster
+  (``LATE_MOST``, the slowest first): in a fleet of like devices nearly every one trains within 10 % of the
+  slowest, and the few a little faster would otherwise decrypt the whole union. They open the bundle like
+  everyone. Measured in the fleet benchmark's system scenario (``mlp``, 4,810 parameters, 20 devices, ms
+  after the aggregate went out, rounds 2-30): the slowest devices (k = 45) took 15 ms after the aggregate to
+  finish preparing and their share reached the coordinator last, at 30 ms (2048-bit keys, seed 2, timestamps
+  added for the measurement); with no part for them, the path from the aggregate to the last report fell
+  from 65, 70, 67 and 82 ms to 54, 53, 54 and 51 (2048 bits seeds 1, 2 and 3, 3072 bits seed 1;
+  docs/benchmarks.md). A wider margin (no part for every device training at 60 % of the slowest's time or
+  more) left too few devices holding the decryption and gained nothing more.
 * A cluster of one device gets no split: there is nothing to share.
 """
 
@@ -47,9 +49,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Collection, Mapping
 
-__all__ = ["LATE_MARGIN", "last_to_finish", "share_split"]
+__all__ = ["LATE_MARGIN", "LATE_MOST", "last_to_finish", "share_split"]
 
 LATE_MARGIN = 0.1  # a device training within 10 % of the slowest one's time gets no part (module docstring)
+LATE_MOST = 0.25  # but at most this fraction of the cluster's devices, the slowest first
 
 
 def share_split(
@@ -78,10 +81,14 @@ def share_split(
     return out
 
 
-def last_to_finish(train_s: Mapping[str, float], margin: float = LATE_MARGIN) -> set[str]:
-    """The devices whose measured training time is within ``margin`` (a fraction) of the slowest one's:
-    those that send their update last. None while nothing is measured."""
+def last_to_finish(
+    train_s: Mapping[str, float], margin: float = LATE_MARGIN, most: float = LATE_MOST
+) -> set[str]:
+    """The devices that send their update last: those whose measured training time is within ``margin``
+    (a fraction) of the slowest one's, at most ``most`` (a fraction) of all, the slowest first. None while
+    nothing is measured."""
     top = max(train_s.values(), default=0.0)
     if top <= 0:
         return set()
-    return {c for c, t in train_s.items() if t >= (1.0 - margin) * top}
+    near = sorted((c for c, t in train_s.items() if t >= (1.0 - margin) * top), key=lambda c: -train_s[c])
+    return set(near[: int(most * len(train_s))])

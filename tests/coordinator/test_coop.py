@@ -44,8 +44,9 @@ def test_the_devices_measured_last_to_train_get_no_part(tmp_path: Path, public: 
         "d3": Measured(train_s=0.48, decrypt_values_per_s=1e4),
     }
     shares = e.strategy.shares(ClusterPlan(list(measured), 0, measured))
-    assert shares["d0"] == pytest.approx((0.0, 0.75)) and shares["d1"] == pytest.approx((0.75, 1.0))
-    assert shares["d2"] == shares["d3"] == (1.0, 1.0)
+    # a quarter of the cluster at most: d3 only, though d2 too is within 10 % of the slowest
+    assert shares["d0"] == pytest.approx((0.0, 0.6)) and shares["d1"] == pytest.approx((0.6, 0.8))
+    assert shares["d2"] == pytest.approx((0.8, 1.0)) and shares["d3"] == (1.0, 1.0)
 
 
 def test_asking_for_it_where_it_cannot_work_is_an_error(tmp_path: Path, public: dict[str, HEBackend]) -> None:

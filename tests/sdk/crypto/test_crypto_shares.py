@@ -86,13 +86,25 @@ def test_split_follows_speed_and_fills_unknowns_with_the_median() -> None:
 
 
 def test_the_last_devices_to_finish_get_no_part() -> None:
-    trains = {"a": 0.10, "b": 0.30, "c": 0.475, "d": 0.50, "e": 0.0}
-    assert last_to_finish(trains) == {"c", "d"}  # within 10 % of the slowest
+    trains = {"a": 0.10, "b": 0.30, "c": 0.475, "d": 0.50, "e": 0.0, "f": 0.2, "g": 0.2, "h": 0.2}
+    assert last_to_finish(trains) == {"c", "d"}  # within 10 % of the slowest, two of eight
+    assert last_to_finish({k: trains[k] for k in "abcde"}) == {"d"}  # at most a quarter: one of five
     assert last_to_finish({"a": 0.0, "b": 0.0}) == set()  # nothing measured yet
     split = share_split({"a": 1.0, "b": 3.0, "c": 2.0, "d": 2.0}, late={"c", "d"})
     assert split["a"] == pytest.approx((0.0, 0.25)) and split["b"] == pytest.approx((0.25, 1.0))
     assert split["c"] == split["d"] == (1.0, 1.0)
     assert share_split({"a": 1.0, "b": 1.0}, late={"a", "b"}) == {"a": (0.0, 0.5), "b": (0.5, 1.0)}
+
+
+@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=40))
+def test_at_most_a_quarter_of_the_devices_and_the_slowest_get_no_part(trains: list[float]) -> None:
+    times = {f"d{i:02d}": t for i, t in enumerate(trains)}
+    late = last_to_finish(times)
+    assert len(late) <= len(times) // 4
+    top = max(trains)
+    assert all(times[c] >= 0.9 * top and times[c] > 0 for c in late)  # within the margin, measured
+    others = [times[c] for c in times if c not in late]
+    assert not late or max(others, default=0.0) <= min(times[c] for c in late)  # the slowest first
 
 
 def test_no_or_bad_fractions_mean_no_share() -> None:
