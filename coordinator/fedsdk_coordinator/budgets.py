@@ -226,9 +226,9 @@ def deadline_plan(
     decryption is empty (below): lowering K does not shorten its round, so a slow device that cannot
     encrypt its whole update in time gets a budget below 1 for itself, not for the cluster. With
     cooperative decryption (``decrypt_shares``: device → its fraction s_i of the union, coop.py) device i
-    decrypts s_i·U(K) instead of U(K); it still
-    waits for the others' shares, but they are split in proportion to speed, so s_j·U / d_j is about the
-    same for every j and the device's own term stands for the wait. Decision: the deadline is the whole
+    decrypts s_i·U(K) instead of U(K); it still waits for the others' shares, but they are split in
+    proportion to speed, so s_j·U / d_j is about the same for every j and the device's own term stands for
+    the wait. Decision: the deadline is the whole
     round's, so a cluster whose slowest device has no slack gets K ≈ 0, and the mask solver's security floor
     (eq. 7) then decides what is encrypted; the plan says so instead of budgets nobody can keep.
 
