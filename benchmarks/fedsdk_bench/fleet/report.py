@@ -89,6 +89,7 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
                 else:
                     cells.append("–")
             out.append(f"| {a['label']} | " + " | ".join(cells) + " |")
+        out += _slowest_split(arms, factors[-1])
     notes = [f"{a['label']}: {a['error']}" for a in arms if a.get("error")] + [
         f"{a['label']}: budgets aimed at {a['target_round_s']:.3f} s" for a in arms if a.get("target_round_s")
     ]
@@ -112,6 +113,26 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
     if notes:
         out += ["", *(f"- {n}" for n in notes)]
     return [*out, ""]
+
+
+def _slowest_split(arms: list[dict[str, Any]], factor: float) -> list[str]:
+    """The time split of the slowest devices, which set the round: where a strategy's extra time goes."""
+    out = [
+        "",
+        f"Time split of the slowest devices (f={factor:g}), seconds per round (rounds 2…R; apply = from the "
+        "aggregate to the report, decrypt = their part of it):",
+        "",
+        "| arm | " + " | ".join(SPLIT) + " | decrypt | update |",
+        "|---" * (len(SPLIT) + 3) + "|",
+    ]
+    for a in arms:
+        ds = [d for d in a["devices"].values() if round(d["speed_factor"], 2) == factor]
+        cells = []
+        for k in (*SPLIT, "decrypt", "update_s"):
+            vals = [d[k] for d in ds if d.get(k) is not None]
+            cells.append(_f(sum(vals) / len(vals) if vals else None))
+        out.append(f"| {a['label']} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _keys(bits: int) -> str:
