@@ -49,6 +49,7 @@ from fedsdk_coordinator.engine.federation import FederationState
 from fedsdk_coordinator.engine.inbound import Inbound
 from fedsdk_coordinator.engine.outbox import Outbox, Publish
 from fedsdk_coordinator.engine.planning import group_by_cluster, plan_rounds
+from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, without_lacking
 from fedsdk_coordinator.engine.sketching import refine_clusters, run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
 from fedsdk_coordinator.engine.tasks import make_status, make_task
@@ -92,6 +93,7 @@ class RoundEngine(FederationState):
         self.epoch = uuid.uuid4().hex[:12]
         self.finished = asyncio.Event()
         self.outbox = Outbox(lambda: self.publish)  # what inbound handlers decide to send
+        self.relays = ModelRelays(config, self.outbox.post, he=self.he is not None)
         self._last_aggregate: dict[int, tuple[str, bytes]] = {}
         self.inbound = Inbound(self)
         self._restore()
@@ -161,7 +163,10 @@ class RoundEngine(FederationState):
 
     def retask(self, client_id: str) -> None:
         """Send ``client_id`` the task of every round that still waits for its reply: it says hello after
-        a (re)connect, so a task sent before may never have reached it."""
+        a (re)connect, so a task sent before may never have reached it. Under HE a device that lacks its
+        cluster's model gets it first (:mod:`.engine.relay`) and its tasks after its next hello."""
+        if self.relays.request(client_id, cluster_members(self), self.online):
+            return
         for rnd in self.every_open_round():
             if client_id in rnd.waiting_for:
                 rnd.tasked.add(client_id)
@@ -306,7 +311,8 @@ class RoundEngine(FederationState):
         self.planned_at = self.arrivals
         if self.clustering is not None and 0 < self.config.recluster_after <= self.late_sketches:
             await refine_clusters(self, round_id)
-        groups, unsketched = group_by_cluster(self.online, self.clusters, self.clustered)
+        online = await without_lacking(self, round_id)
+        groups, unsketched = group_by_cluster(online, self.clusters, self.clustered)
         for cid in unsketched:
             sketch_task = self._task(0, 0, cid, phase="sketch", budget=0.0)
             await self.publish(T.down(self.config.federation, cid), sketch_task)

@@ -30,6 +30,7 @@ from fedsdk.protocol import (
     Error,
     Hello,
     Report,
+    SealedModel,
     Sketch,
     Update,
     decode,
@@ -82,6 +83,8 @@ class Inbound:
                 self._report(client_id, msg)
             elif isinstance(msg, DecryptShare):
                 self._share(client_id, msg)
+            elif isinstance(msg, SealedModel):
+                e.relays.on_sealed(client_id, msg, payload, e.online)
             elif isinstance(msg, Error) and msg.code == DATA_MISMATCH:
                 self._refused(client_id, msg)
             elif isinstance(msg, Update | EncryptedUpdate | Error):
@@ -110,6 +113,7 @@ class Inbound:
         model_round = facts.get("model_round")  # the SDK says whether it still holds a model
         if isinstance(model_round, int | float) and not isinstance(model_round, bool):
             e.set_holder(client_id, model_round >= 0)
+            e.relays.heard(client_id, int(model_round))
             for rnd in e.open_rounds.values():  # it applied a round whose report a restart lost
                 if model_round >= rnd.round_id and client_id in rnd.replies:
                     rnd.applied.add(client_id)
@@ -305,6 +309,7 @@ class Inbound:
             e.late += 1
             raise ValidationError("stale_round", f"report for round {msg.round_id} outside that round")
         self._seen(client_id)
+        e.relays.heard(client_id, msg.round_id, at_least=True)
         rnd.reports[client_id] = msg
         rnd.check_reported()
         if len(rnd.reports) == 1:

@@ -1,7 +1,8 @@
 """FedClient, the object a device app embeds. It composes the device's link (``link.py``), its task pipeline
 (``work.py``) and its aggregate path (``decryption.py``, ``apply.py``) over the device's state
-(``state.py``; with a state directory, the model it holds is also kept on disk: ``saved.py``), and hands
-each incoming message to the part it is for.
+(``state.py``; with a state directory, the model it holds is also kept on disk: ``saved.py``; under HE a
+model it lacks comes from a device of its cluster: ``relay.py``), and hands each incoming message to the
+part it is for.
 
 The client says hello whenever it sees a new coordinator instance, answers every task addressed to it, and
 applies each aggregate once, for the round it belongs to. It stops when the coordinator reports
@@ -31,7 +32,8 @@ import numpy as np
 from fedsdk.client.apply import Aggregates, ApplySteps
 from fedsdk.client.decryption import Decryption
 from fedsdk.client.link import Link
-from fedsdk.client.saved import SavedModel, load_model, save_model
+from fedsdk.client.relay import ModelRelay
+from fedsdk.client.saved import keep_model, load_model
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
 from fedsdk.client.work import Tasks, TaskSteps, Work
 from fedsdk.conditions import RunConditions
@@ -41,7 +43,17 @@ from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportErr
 from fedsdk.model import OnnxModel, Trainer, TrainResult
 from fedsdk.model.export import write_onnx
 from fedsdk.personal import PersonalModel
-from fedsdk.protocol import Aggregate, BaseMessage, EncryptedAggregate, ShareBundle, Sketch, Status, Task
+from fedsdk.protocol import (
+    Aggregate,
+    BaseMessage,
+    EncryptedAggregate,
+    ModelRequest,
+    SealedModel,
+    ShareBundle,
+    Sketch,
+    Status,
+    Task,
+)
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import RejectCounter
 from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB
@@ -65,8 +77,7 @@ class FedClient:
     (:attr:`personal`, :mod:`fedsdk.personal`); only held-out scalars are reported. 0: off.
 
     ``state_dir``: where the device keeps the model it holds across restarts of its process (written after
-    each applied aggregate, mode 0600, read back at construction: :mod:`fedsdk.client.saved`). Under HE,
-    without it, a restarted device holds nothing and gets the federation's initial model.
+    each applied aggregate, mode 0600, read back at construction: :mod:`fedsdk.client.saved`).
     """
 
     def __init__(
@@ -122,6 +133,7 @@ class FedClient:
         )
         self._tasks = Tasks(self._device, self._link, self._work, conditions)
         self._decryption = Decryption(self._device)
+        self._relay = ModelRelay(self._device, self._work, self._link, state_dir)
         self._aggregates = Aggregates(self._device, self._decryption)
         self._state_dir = state_dir
         if state_dir is not None:
@@ -144,19 +156,8 @@ class FedClient:
 
     def _keep(self, pending: Pending) -> None:
         """Write the model this device now holds to its state directory (in the executor)."""
-        device = self._device
-        if self._state_dir is None or device.weights is None:
-            return
-        saved = SavedModel(
-            federation=self.federation,
-            client_id=self.client_id,
-            cluster_id=pending.task.cluster_id,
-            model_round=device.model_round,
-            model_id=device.model_id or "",
-            param_names=self._work.names,
-            weights=device.weights,
-        )
-        save_model(self._state_dir, saved)
+        if self._state_dir is not None:
+            keep_model(self._state_dir, self._device, self._work.names, pending.task.cluster_id)
 
     # -- the device's state, as an app reads it (the private names: as tests and subclasses do) ---
     @property
@@ -303,6 +304,8 @@ class FedClient:
                         self._start_apply(decoded)
                     elif isinstance(decoded, ShareBundle) and topic == link.cluster_topic:
                         self._decryption.on_bundle(decoded)
+                    elif isinstance(decoded, ModelRequest | SealedModel) and topic == link.down_topic:
+                        await self._relay.on_message(decoded, self._publish)
                     else:
                         self._device.rejected.add("bad_kind")
                         log.warning("unexpected %s on %s", type(decoded).__name__, topic)

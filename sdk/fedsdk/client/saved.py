@@ -40,9 +40,18 @@ from typing import Any
 
 import numpy as np
 
+from fedsdk.client.state import DeviceState
 from fedsdk.files import write_private
 
-__all__ = ["MODEL_FILE", "SavedModel", "load_model", "save_model"]
+__all__ = [
+    "MODEL_FILE",
+    "SavedModel",
+    "keep_model",
+    "load_model",
+    "model_bytes",
+    "model_from_bytes",
+    "save_model",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,31 @@ def save_model(state_dir: str | os.PathLike[str], saved: SavedModel) -> Path:
     """Write ``saved`` to ``<state_dir>/model.npz`` (made 0700 if missing), atomically, mode 0600."""
     folder = Path(state_dir)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return write_private(folder / MODEL_FILE, model_bytes(saved))
+
+
+def keep_model(
+    state_dir: str | os.PathLike[str], device: DeviceState, names: tuple[str, ...], cluster_id: int
+) -> None:
+    """Write the model ``device`` holds (of cluster ``cluster_id``, parameters ``names``) to ``state_dir``;
+    nothing when it holds none."""
+    if device.weights is None:
+        return
+    saved = SavedModel(
+        federation=device.federation,
+        client_id=device.client_id,
+        cluster_id=cluster_id,
+        model_round=device.model_round,
+        model_id=device.model_id or "",
+        param_names=names,
+        weights=device.weights,
+    )
+    save_model(state_dir, saved)
+
+
+def model_bytes(saved: SavedModel) -> bytes:
+    """``saved`` as the bytes of a model file (an ``.npz`` of float32 arrays and a JSON header): what
+    :func:`save_model` writes and what a device seals to relay its model (:mod:`fedsdk.client.relay`)."""
     header = {
         "format": FORMAT,
         "federation": saved.federation,
@@ -81,7 +115,7 @@ def save_model(state_dir: str | os.PathLike[str], saved: SavedModel) -> Path:
     arrays["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    return write_private(folder / MODEL_FILE, buf.getvalue())
+    return buf.getvalue()
 
 
 def load_model(state_dir: str | os.PathLike[str], *, federation: str, client_id: str) -> SavedModel | None:
@@ -107,7 +141,21 @@ def load_model(state_dir: str | os.PathLike[str], *, federation: str, client_id:
 def _read(path: Path) -> SavedModel:
     if path.stat().st_size > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-    with np.load(path, allow_pickle=False) as z:
+    return model_from_bytes(path.read_bytes())
+
+
+def model_from_bytes(data: bytes) -> SavedModel:
+    """The model in the bytes of a model file (:func:`model_bytes`); ValueError (or the zip and numpy
+    readers' errors: KeyError, EOFError, zipfile.BadZipFile) when they are not one, or hold a model whose
+    weights are not all finite. The arrays are stored, never compressed (``np.savez``), so what they unpack
+    to is bounded by ``len(data)``: a compressed member, which could unpack to far more, is refused."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = zf.infolist()
+        if any(m.compress_type != zipfile.ZIP_STORED for m in members):
+            raise ValueError("a compressed member: model files store their arrays")
+        if sum(m.file_size for m in members) > len(data):
+            raise ValueError("members larger than the file")
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
         header = json.loads(bytes(z["header"]).decode("utf-8"))
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ValueError("not a fedsdk model file of a known format")

@@ -39,9 +39,10 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from fedsdk.crypto.base import HEBackend
 from fedsdk.errors import CiphertextError, CryptoError
 
-__all__ = ["INFO", "NONCE_BYTES", "ShareSealer"]
+__all__ = ["INFO", "MODEL_INFO", "NONCE_BYTES", "ModelSealer", "ShareSealer"]
 
 INFO = b"fedsdk decrypt-share v1"
+MODEL_INFO = b"fedsdk model-relay v1"  # another HKDF info: the two keys are independent
 NONCE_BYTES = 12
 
 
@@ -119,3 +120,52 @@ class ShareSealer:
         if any(m >= self.n for m in out):
             raise CiphertextError("share holds a plaintext not below n")
         return out
+
+
+class ModelSealer:
+    """Seals and opens a model relayed from one device of a cluster to another (:mod:`fedsdk.client.relay`).
+
+    The same construction as :class:`ShareSealer` with its own key (HKDF info :data:`MODEL_INFO`): AES-256-GCM
+    under a key derived from the HE secret key, which every device of a ``shared``-mode federation holds and
+    the coordinator never does. Whoever can derive the key can already decrypt every aggregate, hence compute
+    the model; the coordinator and the broker that relay it cannot. The associated data binds the sealed
+    bytes to the federation, the sender, the recipient, the round and the cluster, so a relayed model cannot
+    be replayed to another device or passed off as another round's. Integrity is only as strong as the key:
+    any device of the federation can seal a wrong model, as it can already send a poisoned update. Any
+    backend with a secret key.
+    """
+
+    def __init__(self, backend: HEBackend) -> None:
+        if not backend.can_decrypt:
+            raise CryptoError("relaying a model needs the HE secret key (key mode 'shared')")
+        self.key_id: bytes = backend.key_id
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=self.key_id, info=MODEL_INFO)
+        self._aead = AESGCM(hkdf.derive(backend.secret_bytes()))
+
+    def _aad(self, federation: str, sender: str, recipient: str, round_id: int, cluster_id: int) -> bytes:
+        head = "\x00".join((federation, sender, recipient, self.key_id.hex())).encode()
+        return head + struct.pack("<qq", round_id, cluster_id)
+
+    def seal(
+        self, body: bytes, *, federation: str, sender: str, recipient: str, round_id: int, cluster_id: int
+    ) -> bytes:
+        """nonce | AES-GCM(body) for ``recipient``."""
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._aead.encrypt(
+            nonce, body, self._aad(federation, sender, recipient, round_id, cluster_id)
+        )
+
+    def open(
+        self, sealed: bytes, *, federation: str, sender: str, recipient: str, round_id: int, cluster_id: int
+    ) -> bytes:
+        """The sealed bytes; :class:`CiphertextError` unless they were sealed under this key for exactly this
+        federation, sender, recipient, round and cluster."""
+        if len(sealed) < NONCE_BYTES + 16:
+            raise CiphertextError("sealed model too short")
+        aad = self._aad(federation, sender, recipient, round_id, cluster_id)
+        try:
+            return self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
+        except InvalidTag:
+            raise CiphertextError(
+                "sealed model does not authenticate: another key, sender, recipient or round"
+            ) from None

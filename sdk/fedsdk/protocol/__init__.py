@@ -31,6 +31,7 @@ from fedsdk.protocol.messages import (
     message_class,
     register,
 )
+from fedsdk.protocol.relay import ModelRequest, SealedModel
 from fedsdk.protocol.selective import (
     DecryptShare,
     EncryptedAggregate,
@@ -73,8 +74,10 @@ __all__ = [
     "Limits",
     "Message",
     "MessageKind",
+    "ModelRequest",
     "RejectCounter",
     "Report",
+    "SealedModel",
     "ShareBundle",
     "Sketch",
     "Status",

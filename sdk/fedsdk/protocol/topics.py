@@ -2,7 +2,7 @@
 
 The topic tree (DESIGN.md, "Transport")::
 
-    fl/<federation>/up/<client_id>/<kind>     a device publishes (kind: hello, update, error, bye)
+    fl/<federation>/up/<client_id>/<kind>     a device publishes (kind: hello, update, error, bye, ...)
     fl/<federation>/down/<client_id>          the coordinator to one device
     fl/<federation>/cluster/<cluster_id>      the coordinator to every device of a cluster (and the relayed
                                               decryption shares of its devices, never retained)
@@ -30,6 +30,7 @@ __all__ = [
     "ERROR",
     "HELLO",
     "ID_PATTERN",
+    "MODEL",
     "PROBE",
     "REPORT",
     "SHARE",
@@ -67,6 +68,8 @@ class MessageKind(enum.IntEnum):
     REPORT = 11
     DECRYPT_SHARE = 12
     SHARE_BUNDLE = 13
+    MODEL_REQUEST = 14
+    SEALED_MODEL = 15
 
 
 # The last level of an upstream topic: what a device publishes.
@@ -78,7 +81,8 @@ SKETCH = "sketch"
 REPORT = "report"
 SHARE = "share"  # a device's sealed part of a decrypted aggregate, relayed to its cluster (crypto/shares.py)
 PROBE = "probe"  # raw bytes a device times to measure its uplink; no envelope, never decoded
-UP_KINDS: frozenset[str] = frozenset({HELLO, UPDATE, ERROR, BYE, SKETCH, REPORT, SHARE, PROBE})
+MODEL = "model"  # a device's model sealed for one device of its cluster that lacks it (client/relay.py)
+UP_KINDS: frozenset[str] = frozenset({HELLO, UPDATE, ERROR, BYE, SKETCH, REPORT, SHARE, PROBE, MODEL})
 
 #: Which upstream topic kind carries which message kind (a device publishes nothing else).
 UP_KIND_OF: dict[MessageKind, str] = {
@@ -90,6 +94,7 @@ UP_KIND_OF: dict[MessageKind, str] = {
     MessageKind.SKETCH: SKETCH,
     MessageKind.REPORT: REPORT,
     MessageKind.DECRYPT_SHARE: SHARE,
+    MessageKind.SEALED_MODEL: MODEL,
 }
 
 ID_PATTERN = r"[A-Za-z0-9_.-]{1,64}"

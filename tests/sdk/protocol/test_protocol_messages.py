@@ -225,7 +225,16 @@ def test_registry() -> None:
     assert message_class(MessageKind.BYE) is Bye
     for kind in (0, 200, -1, None):
         rejects("bad_kind", message_class, kind)
-    from fedsdk.protocol import DecryptShare, EncryptedAggregate, EncryptedUpdate, Report, ShareBundle, Sketch
+    from fedsdk.protocol import (
+        DecryptShare,
+        EncryptedAggregate,
+        EncryptedUpdate,
+        ModelRequest,
+        Report,
+        SealedModel,
+        ShareBundle,
+        Sketch,
+    )
 
     classes = (
         Hello,
@@ -241,6 +250,8 @@ def test_registry() -> None:
         Report,
         DecryptShare,
         ShareBundle,
+        ModelRequest,
+        SealedModel,
     )
     kinds = {int(cls.KIND) for cls in classes}
     assert kinds == {int(k) for k in MessageKind}

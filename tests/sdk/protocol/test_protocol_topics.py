@@ -19,7 +19,17 @@ def test_topic_tree() -> None:
     assert topics.down("fed", "dev-1") == "fl/fed/down/dev-1"
     assert topics.cluster("fed", 3) == "fl/fed/cluster/3"
     assert topics.status("fed") == "fl/fed/coordinator/status"
-    assert topics.UP_KINDS == {"hello", "update", "error", "bye", "sketch", "report", "share", "probe"}
+    assert topics.UP_KINDS == {
+        "hello",
+        "update",
+        "error",
+        "bye",
+        "sketch",
+        "report",
+        "share",
+        "probe",
+        "model",
+    }
     assert set(topics.UP_KIND_OF.values()) | {topics.PROBE} == topics.UP_KINDS
 
 

@@ -1,0 +1,155 @@
+"""Getting a device its cluster's model under HE, where only the devices hold it.
+
+A device that lacks the model its cluster trains from (it joined late, its process restarted without a state
+directory, or it was down while rounds went by) used to get the federation's *initial* model in its task
+and send an update computed against it, which the cluster's aggregate then mixed with everyone else's: a
+silent error in the model that the device kept making. Now the coordinator asks a device of the cluster
+that holds the newest model (:class:`~fedsdk.protocol.ModelRequest`) to seal it for the one that lacks it;
+the holder answers on its ``up/<id>/model`` topic and the coordinator relays the sealed bytes unchanged to
+the device's ``down`` topic (:mod:`fedsdk.client.relay`). The seal's key comes from the HE secret key, which
+the coordinator never holds: it relays a model it cannot read.
+
+Decisions:
+
+* **Who lacks a model**: a device whose model (the round it said in its hello, or the last round it
+  reported) is older than the newest one an online device of its cluster holds, when that one is not the
+  initial model (the coordinator sends the initial model itself). Only in key mode ``shared``: under the key
+  server the devices do not hold the key the seal needs, and they keep the old behaviour.
+* **Not tasked while it lacks one**: a round is planned without it (after waiting up to
+  :data:`RELAY_WAIT_S` for the relay: a device that lacks a model at the end of a round usually holds it
+  moments later), and a task of a round it is already in waits until its next hello says it holds the
+  model; the round's deadline bounds that wait as for any missing reply.
+* **One request at a time** per device, sent again to the then-best holder after :data:`RELAY_WAIT_S`
+  (a holder that left, or one whose answer was lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from fedsdk.errors import ValidationError
+from fedsdk.protocol import ModelRequest, SealedModel, encode
+from fedsdk.protocol import topics as T
+from fedsdk_coordinator.engine.config import RoundConfig
+
+if TYPE_CHECKING:
+    from fedsdk_coordinator.rounds import RoundEngine
+
+__all__ = ["RELAY_WAIT_S", "ModelRelays", "cluster_members", "without_lacking"]
+
+log = logging.getLogger("fedsdk_coordinator.rounds")
+
+RELAY_WAIT_S = 30.0
+
+
+class ModelRelays:
+    """The rounds of the models devices hold, and the relays under way (module docstring)."""
+
+    def __init__(self, config: RoundConfig, post: Callable[[str, bytes], None], *, he: bool) -> None:
+        self.federation = config.federation
+        self.enabled = he and config.key_mode == "shared"  # the devices hold the model and the key
+        self._post = post
+        self.held: dict[str, int] = {}  # the round of the model each device holds (-1: none)
+        self._asked: dict[str, tuple[str, float]] = {}  # device -> (holder asked, when)
+        self.relayed = 0  # sealed models relayed so far
+
+    def heard(self, client_id: str, model_round: int, *, at_least: bool = False) -> None:
+        """A device's hello said it holds ``model_round``'s model (``at_least``: a report showed it
+        applied that round)."""
+        r = int(model_round)
+        self.held[client_id] = max(self.held.get(client_id, -1), r) if at_least else r
+
+    def target(
+        self, client_id: str, cluster: int | None, members: Mapping[str, int], online: Iterable[str]
+    ) -> int:
+        """The round of the model ``client_id`` should get from a device of its cluster, or -1 when it needs
+        none (``members``: device -> cluster)."""
+        if not self.enabled or cluster is None:
+            return -1
+        mine = self.held.get(client_id, -1)
+        best = max(
+            (self.held.get(c, -1) for c in online if c != client_id and members.get(c) == cluster), default=-1
+        )
+        return best if best >= 1 and best > mine else -1
+
+    def lacking(self, online: Iterable[str], members: Mapping[str, int]) -> set[str]:
+        """The online devices that lack their cluster's newest model (as :meth:`target`, for all at once)."""
+        if not self.enabled:
+            return set()
+        ids = [c for c in online if c in members]
+        best: dict[int, int] = {}
+        for c in ids:
+            best[members[c]] = max(best.get(members[c], -1), self.held.get(c, -1))
+        return {c for c in ids if 1 <= best[members[c]] > self.held.get(c, -1)}
+
+    def request(self, client_id: str, members: Mapping[str, int], online: Iterable[str]) -> bool:
+        """Ask the device of ``client_id``'s cluster that holds the newest model to seal it for
+        ``client_id``, unless a request is under way; False when it needs no model."""
+        ids, cluster = list(online), members.get(client_id)
+        target = self.target(client_id, cluster, members, ids)
+        if target < 0:
+            self._asked.pop(client_id, None)
+            return False
+        now = time.monotonic()
+        asked = self._asked.get(client_id)
+        if asked is not None and now - asked[1] < RELAY_WAIT_S:
+            return True
+        assert cluster is not None  # a target implies a cluster
+        holders = [
+            c for c in ids if c != client_id and members.get(c) == cluster and self.held.get(c) == target
+        ]
+        holder = sorted(holders)[0]
+        self._asked[client_id] = (holder, now)
+        msg = ModelRequest(round_id=target, cluster_id=cluster, for_client=client_id)
+        self._post(T.down(self.federation, holder), encode(msg))
+        log.info(
+            "device %s lacks cluster %d's model of round %d: %s seals it for it",
+            client_id, cluster, target, holder,
+        )  # fmt: skip
+        return True
+
+    def on_sealed(self, client_id: str, msg: SealedModel, payload: bytes, online: Iterable[str]) -> None:
+        """A holder's sealed model: relayed, as received, to the device it was asked for."""
+        asked = self._asked.get(msg.for_client)
+        if asked is None or asked[0] != client_id:
+            raise ValidationError("unasked", f"model from {client_id} for {msg.for_client}, not asked for")
+        if msg.for_client not in set(online):
+            self._asked.pop(msg.for_client, None)
+            raise ValidationError("stale_round", f"model for {msg.for_client}, which left")
+        self._post(T.down(self.federation, msg.for_client), payload)
+        self._asked.pop(msg.for_client, None)  # its next hello says what it holds now
+        self.relayed += 1
+        log.info(
+            "relayed %s's model of round %d (cluster %d, %d bytes sealed) to %s",
+            client_id, msg.round_id, msg.cluster_id, len(msg.sealed), msg.for_client,
+        )  # fmt: skip
+
+
+def cluster_members(e: RoundEngine) -> dict[str, int]:
+    """The cluster of each online device (every one in cluster 0 when the federation is not clustered; a
+    clustered federation's device without a cluster yet is not in it)."""
+    if e.clustered:
+        return {c: k for c, k in e.clusters.items() if c in e.online}
+    return dict.fromkeys(e.online, 0)
+
+
+async def without_lacking(e: RoundEngine, round_id: int) -> list[str]:
+    """The online devices that hold their cluster's model, once the models the others lack were asked for and
+    waited for a while (module docstring)."""
+    relays, members = e.relays, cluster_members(e)
+    lacking = relays.lacking(e.online, members)
+    if lacking:
+        for cid in sorted(lacking):
+            relays.request(cid, members, e.online)
+        wait_s = min(RELAY_WAIT_S, e.config.deadline_s)
+        await e.presence_until(lambda: not lacking & relays.lacking(e.online, cluster_members(e)), wait_s)
+        lacking = relays.lacking(e.online, cluster_members(e))
+        if lacking:
+            log.warning(
+                "round %d runs without %s: no model of their cluster reached them within %.0f s",
+                round_id, ", ".join(sorted(lacking)), wait_s,
+            )  # fmt: skip
+    return [c for c in e.online if c not in lacking]

@@ -1,0 +1,161 @@
+"""The model relay on the device: under HE only the devices hold their cluster's model, so one that lacks it
+(it joined late, restarted without its state directory, or was down while rounds went by) gets it from a
+device of its cluster that holds it, through the coordinator, which cannot read it
+(``fedsdk_coordinator.engine.relay`` decides who asks whom).
+
+* A **holder** asked for its model (:class:`~fedsdk.protocol.ModelRequest` on its ``down`` topic) seals the
+  model it holds, as the bytes of a model file (:func:`fedsdk.client.saved.model_bytes`), for the device
+  named (:class:`fedsdk.crypto.shares.ModelSealer`) and publishes it (:class:`~fedsdk.protocol.SealedModel`).
+* The **device that lacks it** opens the sealed model relayed to it, checks that it is its federation's, of
+  the round and cluster it claims, newer than the model it holds and shaped like it, holds it from then on
+  (and keeps it in its state directory), and says hello again, so that the coordinator knows it holds the
+  cluster's model and tasks it without weights. A model that does not open or check is refused (counted
+  as ``bad_relay``); a model not newer than the one it holds changes nothing, but the device says hello
+  all the same (its last report may have been lost, and the coordinator asked because of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import zipfile
+
+from fedsdk.client.link import Link, Publish
+from fedsdk.client.saved import SavedModel, model_bytes, model_from_bytes, save_model
+from fedsdk.client.state import DeviceState
+from fedsdk.client.work import Work
+from fedsdk.crypto.shares import ModelSealer
+from fedsdk.errors import CryptoError
+from fedsdk.protocol import ModelRequest, SealedModel
+from fedsdk.protocol import topics as T
+
+__all__ = ["ModelRelay"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelRelay:
+    """Seals this device's model for a device of its cluster, and takes one sealed for it (module
+    docstring)."""
+
+    def __init__(
+        self, device: DeviceState, work: Work, link: Link, state_dir: str | os.PathLike[str] | None
+    ) -> None:
+        self.device, self._work, self._link, self._state_dir = device, work, link, state_dir
+        self._sealer: ModelSealer | None = None
+
+    async def on_message(self, msg: ModelRequest | SealedModel, publish: Publish) -> None:
+        """A request to seal this device's model, or a model relayed to it: held, kept in the state
+        directory, and announced with a new hello."""
+        names = self._work.names
+        if isinstance(msg, ModelRequest):
+            await self.on_request(msg, names, publish)
+            return
+        saved, hello = await self.on_model(msg, names)
+        if saved is not None:
+            self._work.names = saved.param_names
+            if self._state_dir is not None:
+                mine = dataclasses.replace(saved, client_id=self.device.client_id)
+                await asyncio.get_running_loop().run_in_executor(None, save_model, self._state_dir, mine)
+        if hello:
+            await self._link.say_hello(publish)
+
+    def sealer(self) -> ModelSealer | None:
+        he = self.device.he
+        if self._sealer is None and he is not None and he.can_decrypt:
+            self._sealer = ModelSealer(he)
+        return self._sealer
+
+    async def on_request(self, req: ModelRequest, names: tuple[str, ...], publish: Publish) -> None:
+        """Seal the model this device holds for ``req.for_client`` and publish it (nothing when it holds
+        none of that cluster, or an older one than asked for)."""
+        device = self.device
+        sealer, weights, cluster = self.sealer(), device.weights, device.summary.cluster_id
+        if sealer is None or weights is None or not names or device.model_round < req.round_id:
+            log.warning(
+                "asked for the model of round %d for %s: this device holds round %d's, not sent",
+                req.round_id, req.for_client, device.model_round,
+            )  # fmt: skip
+            return
+        if cluster is not None and cluster != req.cluster_id:
+            log.warning(
+                "asked for cluster %d's model: this device holds cluster %d's", req.cluster_id, cluster
+            )
+            return
+        saved = SavedModel(
+            federation=device.federation,
+            client_id=device.client_id,
+            cluster_id=req.cluster_id,
+            model_round=device.model_round,
+            model_id=device.model_id or "",
+            param_names=names,
+            weights=weights,
+        )
+
+        def seal() -> bytes:
+            return sealer.seal(
+                model_bytes(saved),
+                federation=device.federation,
+                sender=device.client_id,
+                recipient=req.for_client,
+                round_id=saved.model_round,
+                cluster_id=saved.cluster_id,
+            )
+
+        sealed = await asyncio.get_running_loop().run_in_executor(None, seal)
+        msg = SealedModel(device.client_id, req.for_client, saved.model_round, saved.cluster_id, sealed)
+        await publish(T.MODEL, msg)
+        log.info("sealed the model of round %d for %s", saved.model_round, req.for_client)
+
+    async def on_model(self, msg: SealedModel, names: tuple[str, ...]) -> tuple[SavedModel | None, bool]:
+        """Open a model relayed to this device: the model to hold from now on (None: refused, or not newer
+        than the one it holds), and whether to say hello again (module docstring)."""
+        device = self.device
+        sealer = self.sealer()
+        if msg.for_client != device.client_id or sealer is None:
+            device.rejected.add("bad_relay")
+            log.warning("a model relayed for %s refused: not for this device, or no HE key", msg.for_client)
+            return None, False
+        if msg.round_id <= device.model_round:
+            log.info(
+                "relayed model of round %d: this device holds round %d's", msg.round_id, device.model_round
+            )
+            return None, True
+
+        def open_() -> SavedModel:
+            body = sealer.open(
+                msg.sealed,
+                federation=device.federation,
+                sender=msg.client_id,
+                recipient=device.client_id,
+                round_id=msg.round_id,
+                cluster_id=msg.cluster_id,
+            )
+            return model_from_bytes(body)
+
+        try:
+            saved = await asyncio.get_running_loop().run_in_executor(None, open_)
+            claimed = (device.federation, msg.client_id, msg.round_id, msg.cluster_id)
+            if (saved.federation, saved.client_id, saved.model_round, saved.cluster_id) != claimed:
+                raise ValueError("its header names another federation, sender, round or cluster")
+            if names and saved.param_names != names:
+                raise ValueError("its parameters are not this model's")
+            held = device.weights
+            if held is not None and [w.shape for w in held] != [w.shape for w in saved.weights]:
+                raise ValueError("its shapes are not those of the model this device holds")
+            if device.model_id and saved.model_id != device.model_id:
+                raise ValueError(f"it is model {saved.model_id!r}, not {device.model_id!r}")
+        except (CryptoError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            device.rejected.add("bad_relay")
+            log.warning("model of round %d relayed from %s refused: %s", msg.round_id, msg.client_id, exc)
+            return None, False
+        device.weights, device.model_round = saved.weights, saved.model_round
+        device.model_id, device.summary.cluster_id = saved.model_id or device.model_id, saved.cluster_id
+        device.pending = {r: p for r, p in device.pending.items() if r > saved.model_round}
+        log.info(
+            "holds cluster %d's model of round %d, relayed from %s",
+            saved.cluster_id, saved.model_round, msg.client_id,
+        )  # fmt: skip
+        return saved, True

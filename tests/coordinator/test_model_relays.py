@@ -1,0 +1,81 @@
+"""Who lacks a model under HE, and whom the coordinator asks for it (fedsdk_coordinator.engine.relay)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedsdk.errors import ValidationError
+from fedsdk.protocol import ModelRequest, SealedModel, decode, encode
+from fedsdk_coordinator.engine.relay import ModelRelays
+from fedsdk_coordinator.rounds import RoundConfig
+
+
+def relays(*, he: bool = True, key_mode: str = "shared") -> tuple[ModelRelays, list[tuple[str, bytes]]]:
+    sent: list[tuple[str, bytes]] = []
+    r = ModelRelays(RoundConfig(federation="fed", key_mode=key_mode), lambda t, p: sent.append((t, p)), he=he)
+    return r, sent
+
+
+def test_a_device_behind_its_cluster_is_asked_for_once_from_the_newest_holder() -> None:
+    r, sent = relays()
+    members = {"a": 0, "b": 0, "c": 0, "x": 1}
+    for cid, held in {"a": 4, "b": 5, "c": -1, "x": 9}.items():
+        r.heard(cid, held)
+    assert r.lacking(members, members) == {"a", "c"}  # x's cluster 1 model does not count for cluster 0
+    assert r.request("c", members, members)
+    assert len(sent) == 1
+    topic, payload = sent[0]
+    req = decode(payload)
+    assert topic == "fl/fed/down/b" and isinstance(req, ModelRequest)
+    assert (req.round_id, req.cluster_id, req.for_client) == (5, 0, "c")
+    assert r.request("c", members, members) and len(sent) == 1  # under way: not asked twice
+    # the holder answers; the relay goes to c, unchanged
+    answer = encode(SealedModel("b", "c", 5, 0, b"s" * 40))
+    r.on_sealed("b", decode(answer), answer, members)
+    assert sent[-1] == ("fl/fed/down/c", answer) and r.relayed == 1
+    r.heard("c", 5)  # its next hello
+    assert not r.request("c", members, members) and r.lacking(members, members) == {"a"}
+
+
+def test_nothing_to_relay_in_plaintext_under_the_key_server_or_for_the_initial_model() -> None:
+    members = {"a": 0, "b": 0}
+    for he, mode in ((False, "shared"), (True, "keyserver")):
+        r, sent = relays(he=he, key_mode=mode)
+        r.heard("a", 3)
+        assert r.lacking(members, members) == set() and not r.request("b", members, members) and not sent
+    r, sent = relays()
+    r.heard("a", 0)  # the initial model: the coordinator sends it in the task itself
+    assert r.lacking(members, members) == set() and not r.request("b", members, members) and not sent
+
+
+def test_a_sealed_model_nobody_asked_for_or_for_a_device_gone_is_refused() -> None:
+    r, sent = relays()
+    members = {"a": 0, "b": 0}
+    r.heard("a", 3)
+    msg = SealedModel("a", "b", 3, 0, b"s" * 40)
+    with pytest.raises(ValidationError) as exc:
+        r.on_sealed("a", msg, encode(msg), members)
+    assert exc.value.code == "unasked"
+    assert r.request("b", members, members)
+    with pytest.raises(ValidationError) as exc:  # asked of a, answered by b itself
+        r.on_sealed("b", SealedModel("b", "b", 3, 0, b"s" * 40), b"", members)
+    assert exc.value.code == "unasked"
+    with pytest.raises(ValidationError):
+        r.on_sealed("a", msg, encode(msg), {"a": 0})  # b left meanwhile
+    assert [t for t, _ in sent] == ["fl/fed/down/a"]  # only the request went out
+
+
+@settings(max_examples=200, deadline=None)
+@given(held=st.dictionaries(st.sampled_from("abcdefgh"), st.integers(-1, 6), min_size=1), k=st.integers(1, 3))
+def test_lacking_is_exactly_behind_the_newest_model_of_the_cluster(held: dict[str, int], k: int) -> None:
+    r, _ = relays()
+    members = {cid: ord(cid) % k for cid in held}
+    for cid, m in held.items():
+        r.heard(cid, m)
+    lacking = r.lacking(held, members)
+    for cid, m in held.items():
+        best = max(v for c, v in held.items() if members[c] == members[cid])
+        assert (cid in lacking) == (best >= 1 and m < best)
+        assert (r.target(cid, members[cid], members, held) >= 0) == (cid in lacking)

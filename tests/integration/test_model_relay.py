@@ -1,0 +1,111 @@
+"""Under HE only the devices hold their cluster's model: a device that lacks it gets it from a device that
+holds it, sealed, through the real coordinator and a real mosquitto (``fedsdk_coordinator.engine.relay``,
+``fedsdk.client.relay``).
+
+Two devices run the ``fedsdk`` strategy (packed Paillier, key mode ``shared``; 1024-bit keys keep the test
+short) for two rounds; then a device that lacks the model joins: a new device, or one whose process lost its
+model (a restart without a state directory). It must not train from the federation's initial model: it gets
+the cluster's model relayed and trains from it, so at the end the three devices hold the same model (a
+device that trained from the initial model would have sent an update against another base and would hold
+another model: initial + the later aggregates). The coordinator never held the model it relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from brokers import MosquittoProcess, require_mosquitto
+from engines import coordinator, device
+from fedsdk.crypto import generate_backend
+from fedsdk.hekeys import load_he, save_he
+from fedsdk.model.data import load_digits, partition_iid
+from fedsdk.protocol import Task
+from fedsdk_coordinator.rounds import RoundConfig
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(180)]
+
+TRAIN_DELAY_S = 0.5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_mosquitto() -> None:
+    require_mosquitto()
+
+
+async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def slow(client: Any) -> None:
+    """The device takes ``TRAIN_DELAY_S`` more to train: rounds last long enough to join between them."""
+    fit = client._fit
+
+    def slow_fit(task: Task, base: list[np.ndarray], fit: Any = fit) -> Any:
+        time.sleep(TRAIN_DELAY_S)  # in the executor
+        return fit(task, base)
+
+    client._fit = slow_fit
+
+
+@pytest.mark.parametrize("who", ["new", "restarted"])
+async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
+    tmp_path: Path, broker: MosquittoProcess, who: str
+) -> None:
+    with generate_backend("packed", key_bits=1024) as full:
+        public = save_he(tmp_path / "he-public", full, include_secret=False)
+        secret = save_he(tmp_path / "he-device", full, include_secret=True)
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, 3, seed=0)
+    shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
+    rounds = RoundConfig(
+        federation=f"relay{who}", strategy="fedsdk", rounds=5, min_clients=2,
+        start_clients=3 if who == "restarted" else 2,
+        deadline_s=30.0, seed=1, clustering=False, farewell_s=5.0,
+    )  # fmt: skip
+    async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
+        first = [device(broker, engine, f"d{i}", shards[i], he=load_he(secret)) for i in range(2)]
+        for d in first:
+            slow(d)
+        async with first[0], first[1]:
+            runs = [asyncio.create_task(d.run(timeout=120)) for d in first]
+            if who == "restarted":  # a third device takes part from round 1, then its process stops
+                third = device(broker, engine, "d2", shards[2], he=load_he(secret))
+                slow(third)
+                async with third:
+                    gone = asyncio.create_task(third.run(timeout=120))
+                    await until(lambda: engine.completed_round >= 2, "round 2")
+                gone.cancel()
+                await asyncio.gather(gone, return_exceptions=True)
+                assert third.summary.applied_rounds[:2] == [1, 2]
+            else:
+                await until(lambda: engine.completed_round >= 2, "round 2")
+            late = device(broker, engine, "d2", shards[2], he=load_he(secret))  # holds no model
+            slow(late)
+            async with late:
+                summary = await asyncio.wait_for(late.run(timeout=120), 130)
+            summaries = await asyncio.gather(*runs)
+        models = [d.weights for d in (*first, late)]
+        relays = getattr(engine, "relays", None)
+
+    assert engine.state == "finished" and engine.completed_round == 5, engine.detail
+    assert all(s.state == "finished" for s in (*summaries, summary)), [s.reason for s in summaries]
+    trained = [r.round_id for r in summary.rounds]
+    assert trained and min(trained) >= 3, trained  # it trained, after it joined
+    # It trained from the cluster's model: the three devices hold one model at the end.
+    for held in models[1:]:
+        assert held is not None and models[0] is not None
+        for a, b in zip(models[0], held, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert relays is not None and relays.relayed >= 1
+    assert "bad_relay" not in summary.rejected
+    assert not engine.he.can_decrypt  # the coordinator relayed a model it could not read
