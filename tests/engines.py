@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -10,8 +12,8 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from fedsdk.client import FedClient
-from fedsdk.crypto import HEBackend
-from fedsdk.hekeys import load_he
+from fedsdk.crypto import HEBackend, generate_backend
+from fedsdk.hekeys import load_he, save_he
 from fedsdk_coordinator.app import ENGINE, CoordinatorConfig, create_app
 from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
@@ -89,3 +91,22 @@ def digit_devices(
         )
         for i, idx in enumerate(part.indices)
     ]
+
+
+async def until(cond: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    """Wait (polling) until ``cond()`` is true; AssertionError naming ``what`` after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def he_key_dirs(tmp_path: Path, key_bits: int = 1024) -> tuple[Path, Path]:
+    """A new packed-Paillier key saved twice under ``tmp_path``: the public folder a coordinator takes and
+    the folder with the secret key every device of a ``shared``-mode federation holds."""
+    with generate_backend("packed", key_bits=key_bits) as full:
+        return (
+            save_he(tmp_path / "he-public", full, include_secret=False),
+            save_he(tmp_path / "he-device", full, include_secret=True),
+        )

@@ -33,7 +33,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import device
+from engines import device, until
 from fedsdk.client import FedClient
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.protocol import Status, decode
@@ -82,14 +82,6 @@ async def join_proc(
         "--federation", fed, "--data", str(data), "--timeout", "120", *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-
-
-async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def test_a_failed_round_runs_again_when_valid_devices_join(

@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import coordinator, device
-from fedsdk.crypto import generate_backend
-from fedsdk.hekeys import load_he, save_he
+from engines import coordinator, device, he_key_dirs, until
+from fedsdk.hekeys import load_he
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import Task
 from fedsdk_coordinator.rounds import RoundConfig
@@ -36,14 +35,6 @@ TRAIN_DELAY_S = 0.5
 @pytest.fixture(scope="module", autouse=True)
 def _need_mosquitto() -> None:
     require_mosquitto()
-
-
-async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def slow(client: Any) -> None:
@@ -61,9 +52,7 @@ def slow(client: Any) -> None:
 async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     tmp_path: Path, broker: MosquittoProcess, who: str
 ) -> None:
-    with generate_backend("packed", key_bits=1024) as full:
-        public = save_he(tmp_path / "he-public", full, include_secret=False)
-        secret = save_he(tmp_path / "he-device", full, include_secret=True)
+    public, secret = he_key_dirs(tmp_path)
     digits = load_digits(shape="flat")
     part = partition_iid(digits.y_train, 3, seed=0)
     shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]

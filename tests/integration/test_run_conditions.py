@@ -32,7 +32,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import device, http_coordinator
+from engines import device, http_coordinator, until
 from fedsdk.conditions import DECLINED_CHARGING, RunConditions, SysfsPower
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import load_he, save_he
@@ -65,14 +65,6 @@ def power_supply(root: Path, *, charging: bool) -> Path:
         for attr, text in files.items():
             (root / name / attr).write_text(text + "\n")
     return root
-
-
-async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def on_battery_conditions(power: Path, **options: Any) -> RunConditions:
