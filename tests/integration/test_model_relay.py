@@ -3,11 +3,13 @@ holds it, sealed, through the real coordinator and a real mosquitto (``fedsdk_co
 ``fedsdk.client.relay``).
 
 Two devices run the ``fedsdk`` strategy (packed Paillier, key mode ``shared``; 1024-bit keys keep the test
-short) for two rounds; then a device that lacks the model joins: a new device, or one whose process lost its
-model (a restart without a state directory). It must not train from the federation's initial model: it gets
-the cluster's model relayed and trains from it, so at the end the three devices hold the same model (a
-device that trained from the initial model would have sent an update against another base and would hold
-another model: initial + the later aggregates). The coordinator never held the model it relayed.
+short); then a device that lacks the model joins: a new device after round 3, one whose process lost its
+model after round 2 (a restart without a state directory), or one that kept round 2's model in its state
+directory and comes back after round 3 (a stale model). It must not train from the federation's initial
+model, nor from the stale one: it gets the cluster's model relayed and trains from it, so at the end the
+three devices hold the same model (a device that trained from another base would have sent an update
+against it and would hold another model: that base + the later aggregates). The coordinator never held the
+model it relayed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
 from engines import coordinator, device, he_key_dirs, until
+from fedsdk.client.saved import load_model
 from fedsdk.hekeys import load_he
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import Task
@@ -48,7 +51,7 @@ def slow(client: Any) -> None:
     client._fit = slow_fit
 
 
-@pytest.mark.parametrize("who", ["new", "restarted"])
+@pytest.mark.parametrize("who", ["new", "restarted", "stale"])
 async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     tmp_path: Path, broker: MosquittoProcess, who: str
 ) -> None:
@@ -58,7 +61,7 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
     rounds = RoundConfig(
         federation=f"relay{who}", strategy="fedsdk", rounds=5, min_clients=2,
-        start_clients=3 if who == "restarted" else 2,
+        start_clients=2 if who == "new" else 3,
         deadline_s=30.0, seed=1, clustering=False, farewell_s=5.0,
     )  # fmt: skip
     async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
@@ -67,8 +70,9 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
             slow(d)
         async with first[0], first[1]:
             runs = [asyncio.create_task(d.run(timeout=120)) for d in first]
-            if who == "restarted":  # a third device takes part from round 1, then its process stops
-                third = device(broker, engine, "d2", shards[2], he=load_he(secret))
+            kept = tmp_path / "d2-state" if who == "stale" else None
+            if who != "new":  # a third device takes part from round 1, then its process stops
+                third = device(broker, engine, "d2", shards[2], he=load_he(secret), state_dir=kept)
                 slow(third)
                 async with third:
                     gone = asyncio.create_task(third.run(timeout=120))
@@ -76,9 +80,11 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
                 gone.cancel()
                 await asyncio.gather(gone, return_exceptions=True)
                 assert third.summary.applied_rounds[:2] == [1, 2]
-            else:
-                await until(lambda: engine.completed_round >= 2, "round 2")
-            late = device(broker, engine, "d2", shards[2], he=load_he(secret))  # holds no model
+            if who != "restarted":  # it comes back after a round went by (stale), or joins then (new)
+                await until(lambda: engine.completed_round >= 3, "round 3")
+            # without a model (new, restarted), or with round 2's model from its state directory (stale)
+            late = device(broker, engine, "d2", shards[2], he=load_he(secret), state_dir=kept)
+            assert late.weights is None if kept is None else late._device.model_round == 2
             slow(late)
             async with late:
                 summary = await asyncio.wait_for(late.run(timeout=120), 130)
@@ -90,6 +96,9 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     assert all(s.state == "finished" for s in (*summaries, summary)), [s.reason for s in summaries]
     trained = [r.round_id for r in summary.rounds]
     assert trained and min(trained) >= 3, trained  # it trained, after it joined
+    if kept is not None:  # the relayed model went into its state directory, and later rounds' after it
+        on_disk = load_model(kept, federation=rounds.federation, client_id="d2")
+        assert on_disk is not None and on_disk.model_round == 5
     # It trained from the cluster's model: the three devices hold one model at the end.
     for held in models[1:]:
         assert held is not None and models[0] is not None

@@ -99,7 +99,7 @@ def add_parser(sub: Any) -> None:
         "--state-dir",
         metavar="DIR",
         help="keep the model this device holds here across restarts (model.npz, mode 0600); under HE a "
-        "restarted device without it starts again from the federation's initial model",
+        "restarted device without it waits for its cluster's model from another device (key mode shared)",
     )
     p.add_argument(
         "--pool",

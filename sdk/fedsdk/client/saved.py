@@ -4,7 +4,8 @@
 Under HE the coordinator never holds the model: every device keeps its cluster's model and adds each
 decrypted average update to it, and a task carries no weights for a device that says (``model_round`` in
 its hello) that it holds one. A device process that restarted used to hold nothing, say so, and get the
-federation's *initial* model, computing its next updates against the wrong base. With a state directory
+federation's *initial* model, computing its next updates against the wrong base (now it gets its cluster's
+model from another device: :mod:`fedsdk.client.relay`; the file saves that trip). With a state directory
 the device writes the model it holds after each aggregate it applies, and a new process reads it back
 before it says hello, so the coordinator goes on sending it weightless tasks and its updates stay on the
 cluster's model.
@@ -22,9 +23,10 @@ Decisions:
   the state directory of an earlier run of the federation) is dropped: the device answers that task with
   an error and says hello again holding nothing, so that its next task brings the federation's model.
 * What it does not cover: a device that missed rounds while it was down restores the model of the last
-  round it applied, not the cluster's current one, and trains from it as a holder (a stale base, closer to
-  the cluster's model than the initial one); a round the old process trained in but had not applied is
-  not applied by the new one (the coordinator waits for that report until ``report_timeout_s``).
+  round it applied, not the cluster's current one; in key mode ``shared`` the coordinator then has a
+  device of its cluster relay the current one (:mod:`fedsdk.client.relay`) before it trains, under the
+  key server it trains from the stale one. A round the old process trained in but had not applied is not
+  applied by the new one (the coordinator waits for that report until ``report_timeout_s``).
 """
 
 from __future__ import annotations
