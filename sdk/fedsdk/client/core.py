@@ -282,7 +282,7 @@ class FedClient:
             else:
                 summary.state, summary.reason = "timeout", f"no end within {timeout} s"
         finally:
-            applying = self._aggregates.applying
+            applying = {*self._aggregates.applying, *self._relay.tasks}
             for t in (loop_task, rehello, watch, recheck, *applying):
                 t.cancel()
             await asyncio.gather(loop_task, rehello, watch, recheck, *applying, return_exceptions=True)
@@ -305,7 +305,7 @@ class FedClient:
                     elif isinstance(decoded, ShareBundle) and topic == link.cluster_topic:
                         self._decryption.on_bundle(decoded)
                     elif isinstance(decoded, ModelRequest | SealedModel) and topic == link.down_topic:
-                        await self._relay.on_message(decoded, self._publish)
+                        self._relay.take(decoded, self._publish, self._aggregates.settle)
                     else:
                         self._device.rejected.add("bad_kind")
                         log.warning("unexpected %s on %s", type(decoded).__name__, topic)

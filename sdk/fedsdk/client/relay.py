@@ -21,13 +21,14 @@ import dataclasses
 import logging
 import os
 import zipfile
+from collections.abc import Awaitable, Callable
 
 from fedsdk.client.link import Link, Publish
 from fedsdk.client.saved import SavedModel, model_bytes, model_from_bytes, save_model
 from fedsdk.client.state import DeviceState
 from fedsdk.client.work import Work
 from fedsdk.crypto.shares import ModelSealer
-from fedsdk.errors import CryptoError
+from fedsdk.errors import CryptoError, TransportClosed, TransportError
 from fedsdk.protocol import ModelRequest, SealedModel
 from fedsdk.protocol import topics as T
 
@@ -45,6 +46,30 @@ class ModelRelay:
     ) -> None:
         self.device, self._work, self._link, self._state_dir = device, work, link, state_dir
         self._sealer: ModelSealer | None = None
+        self.tasks: set[asyncio.Task[None]] = set()  # requests and relayed models being handled
+
+    def take(
+        self, msg: ModelRequest | SealedModel, publish: Publish, settle: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Handle ``msg`` in a task of its own, once the aggregates being applied are (``settle``): an apply
+        sets the weights in the executor before the round they belong to, so a model sealed or replaced
+        meanwhile could carry another round's weights. The message loop goes on meanwhile (an apply may be
+        waiting for the decryption shares it brings)."""
+
+        async def run() -> None:
+            await settle()
+            try:
+                await self.on_message(msg, publish)
+            except TransportClosed:
+                pass  # the message loop sees the closed link too
+            except TransportError as exc:  # the coordinator asks again if it still needs it
+                log.warning(
+                    "could not send the model sealed for %s: %s", getattr(msg, "for_client", "?"), exc
+                )
+
+        task = asyncio.create_task(run(), name=f"fedclient-relay-{self.device.client_id}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def on_message(self, msg: ModelRequest | SealedModel, publish: Publish) -> None:
         """A request to seal this device's model, or a model relayed to it: held, kept in the state
