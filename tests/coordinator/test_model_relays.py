@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engines import make_engine
+from fedsdk.crypto import HEBackend
 from fedsdk.errors import ValidationError
-from fedsdk.protocol import ModelRequest, SealedModel, decode, encode
-from fedsdk_coordinator.engine.relay import ModelRelays
+from fedsdk.protocol import Hello, ModelRequest, SealedModel, decode, encode
+from fedsdk.protocol import topics as T
+from fedsdk_coordinator.engine import relay
+from fedsdk_coordinator.engine.relay import ModelRelays, without_lacking
 from fedsdk_coordinator.rounds import RoundConfig
 
 
@@ -79,3 +86,24 @@ def test_lacking_is_exactly_behind_the_newest_model_of_the_cluster(held: dict[st
         best = max(v for c, v in held.items() if members[c] == members[cid])
         assert (cid in lacking) == (best >= 1 and m < best)
         assert (r.target(cid, members[cid], members, held) >= 0) == (cid in lacking)
+
+
+async def test_a_plan_waits_for_a_first_relay_only(
+    tmp_path: Path, public: dict[str, HEBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay that does not come (the holder never answers here: the engine's publications go nowhere)
+    holds one plan up for at most the relay wait, not every plan after it."""
+    monkeypatch.setattr(relay, "RELAY_WAIT_S", 0.3)
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    for cid, held in (("a", 3), ("b", -1)):
+        e.handle(
+            T.up(e.config.federation, cid, T.HELLO), encode(Hello(cid, 10, "0.1.0", {"model_round": held}))
+        )
+    t0 = time.monotonic()
+    assert await without_lacking(e, 4) == ["a"]  # b waits for its model, left out of the round
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    assert await without_lacking(e, 5) == ["a"]  # asked again, not waited for again
+    assert time.monotonic() - t0 < 0.1
+    e.handle(T.up(e.config.federation, "b", T.HELLO), encode(Hello("b", 10, "0.1.0", {"model_round": 3})))
+    assert sorted(await without_lacking(e, 6)) == ["a", "b"]  # its hello says it holds the model now

@@ -20,7 +20,8 @@ Decisions:
   moments later), and a task of a round it is already in waits until its next hello says it holds the
   model; the round's deadline bounds that wait as for any missing reply.
 * **One request at a time** per device, sent again to the then-best holder after :data:`RELAY_WAIT_S`
-  (a holder that left, or one whose answer was lost).
+  (a holder that left, or one whose answer was lost). A plan waits for a device's first request only: a
+  relay that failed once does not hold every later round up as well.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ModelRelays:
         self.enabled = he and config.key_mode == "shared"  # the devices hold the model and the key
         self._post = post
         self.held: dict[str, int] = {}  # the round of the model each device holds (-1: none)
-        self._asked: dict[str, tuple[str, float]] = {}  # device -> (holder asked, when)
+        self._asked: dict[str, tuple[str, float, int]] = {}  # device -> (holder asked, when, requests sent)
         self.relayed = 0  # sealed models relayed so far
 
     def heard(self, client_id: str, model_round: int, *, at_least: bool = False) -> None:
@@ -97,12 +98,13 @@ class ModelRelays:
         asked = self._asked.get(client_id)
         if asked is not None and now - asked[1] < RELAY_WAIT_S:
             return True
+        sent = 1 if asked is None else asked[2] + 1
         assert cluster is not None  # a target implies a cluster
         holders = [
             c for c in ids if c != client_id and members.get(c) == cluster and self.held.get(c) == target
         ]
         holder = sorted(holders)[0]
-        self._asked[client_id] = (holder, now)
+        self._asked[client_id] = (holder, now, sent)
         msg = ModelRequest(round_id=target, cluster_id=cluster, for_client=client_id)
         self._post(T.down(self.federation, holder), encode(msg))
         log.info(
@@ -110,6 +112,15 @@ class ModelRelays:
             client_id, cluster, target, holder,
         )  # fmt: skip
         return True
+
+    def first_tries(self, ids: Iterable[str]) -> set[str]:
+        """Those of ``ids`` whose first request is under way (what a plan waits for)."""
+        now = time.monotonic()
+        return {
+            c
+            for c in ids
+            if (a := self._asked.get(c)) is not None and a[2] == 1 and now - a[1] < RELAY_WAIT_S
+        }
 
     def on_sealed(self, client_id: str, msg: SealedModel, payload: bytes, online: Iterable[str]) -> None:
         """A holder's sealed model: relayed, as received, to the device it was asked for."""
@@ -145,7 +156,9 @@ async def without_lacking(e: RoundEngine, round_id: int) -> list[str]:
         for cid in sorted(lacking):
             relays.request(cid, members, e.online)
         wait_s = min(RELAY_WAIT_S, e.config.deadline_s)
-        await e.presence_until(lambda: not lacking & relays.lacking(e.online, cluster_members(e)), wait_s)
+        first = relays.first_tries(lacking)
+        if first:
+            await e.presence_until(lambda: not first & relays.lacking(e.online, cluster_members(e)), wait_s)
         lacking = relays.lacking(e.online, cluster_members(e))
         if lacking:
             log.warning(
