@@ -93,7 +93,7 @@ async def test_a_plan_waits_for_a_first_relay_only(
 ) -> None:
     """A relay that does not come (the holder never answers here: the engine's publications go nowhere)
     holds one plan up for at most the relay wait, not every plan after it."""
-    monkeypatch.setattr(relay, "RELAY_WAIT_S", 0.3)
+    monkeypatch.setattr(relay, "RELAY_WAIT_S", 1.0)
     e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
     for cid, held in (("a", 3), ("b", -1)):
         e.handle(
@@ -101,9 +101,9 @@ async def test_a_plan_waits_for_a_first_relay_only(
         )
     t0 = time.monotonic()
     assert await without_lacking(e, 4) == ["a"]  # b waits for its model, left out of the round
-    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert 0.9 < time.monotonic() - t0 < 5.0
     t0 = time.monotonic()
     assert await without_lacking(e, 5) == ["a"]  # asked again, not waited for again
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.5
     e.handle(T.up(e.config.federation, "b", T.HELLO), encode(Hello("b", 10, "0.1.0", {"model_round": 3})))
     assert sorted(await without_lacking(e, 6)) == ["a", "b"]  # its hello says it holds the model now
