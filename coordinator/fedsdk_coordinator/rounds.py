@@ -371,4 +371,5 @@ class RoundEngine(FederationState):
             "detail": self.detail,
             "late": self.late,
             "resent": self.resent,
+            "models_relayed": self.relays.relayed,
         }

@@ -104,6 +104,6 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
         assert held is not None and models[0] is not None
         for a, b in zip(models[0], held, strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    assert relays is not None and relays.relayed >= 1
+    assert relays is not None and relays.relayed >= 1 and engine.health()["models_relayed"] == relays.relayed
     assert "bad_relay" not in summary.rejected
     assert not engine.he.can_decrypt  # the coordinator relayed a model it could not read

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from engines import until
 from fedsdk.client.relay import ModelRelay
-from fedsdk.client.saved import SavedModel, model_bytes, model_from_bytes
+from fedsdk.client.saved import SavedModel, load_model, model_bytes, model_from_bytes
 from fedsdk.client.state import ClientSummary, DeviceState
 from fedsdk.client.work import Work
 from fedsdk.crypto import HEBackend, PackedPaillierBackend, PaillierKeys
@@ -100,3 +101,32 @@ async def test_a_relayed_model_is_held_only_when_newer_and_shaped_like_the_model
     saved, hello = await relay.on_model(msg, NAMES)
     assert hello and saved is not None and device.model_round == 3 and device.weights is not None
     assert device.weights[0].tobytes() == weights(3)[0].tobytes()
+
+
+async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
+    he: HEBackend, tmp_path: Path
+) -> None:
+    hellos: list[int] = []
+    device = DeviceState("d1", "fed", None, None, None, he, summary=ClientSummary("d1"))
+    work = Work(
+        device, intra_op_threads=1, pool_capacity=0, self_audit=False, self_audit_db=DEFAULT_THRESHOLD_DB
+    )
+
+    class Link:
+        async def say_hello(self, publish: Any) -> None:
+            hellos.append(device.model_round)
+
+    relay = ModelRelay(device, work, Link(), tmp_path / "state")  # type: ignore[arg-type]
+    saved = SavedModel("fed", "d0", 0, 3, "m", NAMES, weights(3))
+    box = ModelSealer(he).seal(
+        model_bytes(saved), federation="fed", sender="d0", recipient="d1", round_id=3, cluster_id=0
+    )
+
+    async def publish(kind: str, msg: BaseMessage) -> tuple[float, int]:
+        raise AssertionError("nothing to publish")
+
+    await relay.on_message(SealedModel("d0", "d1", 3, 0, box), publish)
+    assert hellos == [3] and work.names == NAMES  # it says hello holding round 3's model
+    kept = load_model(tmp_path / "state", federation="fed", client_id="d1")
+    assert kept is not None and kept.model_round == 3 and kept.client_id == "d1"
+    assert kept.weights[1].tobytes() == weights(3)[1].tobytes()

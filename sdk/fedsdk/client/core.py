@@ -63,6 +63,8 @@ __all__ = ["FedClient"]
 
 log = logging.getLogger(__name__)
 
+FINISH_GRACE_S = 5.0  # how long a finished run waits for the aggregates still being applied (and kept)
+
 
 class FedClient:
     """One device's membership in a federation. Owns its MQTT transport, through its link.
@@ -283,6 +285,8 @@ class FedClient:
                 summary.state, summary.reason = "timeout", f"no end within {timeout} s"
         finally:
             applying = {*self._aggregates.applying, *self._relay.tasks}
+            if summary.state == "finished" and applying:  # the last round's model still being kept on disk
+                await asyncio.wait(applying, timeout=FINISH_GRACE_S)
             for t in (loop_task, rehello, watch, recheck, *applying):
                 t.cancel()
             await asyncio.gather(loop_task, rehello, watch, recheck, *applying, return_exceptions=True)
