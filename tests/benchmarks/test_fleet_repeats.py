@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from fedsdk_bench.fleet.cli import arm_order
+from fedsdk_bench.fleet.cli import arm_order, main
 from fedsdk_bench.fleet.runner import parse_arm
 from fedsdk_bench.fleet.targets import check_targets
 
@@ -38,3 +40,14 @@ def test_the_ratio_is_of_the_means_and_names_each_repeat() -> None:
     assert ratio.value == pytest.approx(0.39 / 0.31)
     assert ratio.detail.endswith("(mean of 2 repeats, alternating order: 1.40/1.12)")
     assert ratio.passed is False
+
+
+def test_a_results_folder_that_holds_a_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second run into the same folder used to resume the first one's coordinator stores: every arm
+    "finished" its 30 rounds in a second and the report compared the old runs' rounds."""
+    (tmp_path / "work" / "system").mkdir(parents=True)
+    assert main(["--scenarios", "system", "--arms", "plaintext", "--out", str(tmp_path)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert not (tmp_path / "report.md").exists()

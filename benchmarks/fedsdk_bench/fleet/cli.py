@@ -232,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         target = None if args.target_round == "auto" else float(args.target_round)
         alpha = None if args.uniform_budget == "auto" else float(args.uniform_budget)
         scenarios = [scenario(n, n_devices=args.devices, uplink_scale=args.uplink_scale) for n in names]
+        out = Path(args.out or f"results/fleet-{dt.datetime.now():%Y%m%d-%H%M%S}")
+        if (out / "work").exists():  # its coordinators' stores would resume the finished rounds
+            raise ConfigError(f"{out} already holds a run (its work folder): give another --out")
     except (ConfigError, ValueError) as exc:
         print(f"fedsdk bench fleet: {exc}", file=sys.stderr)
         return 2
     started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    out = Path(args.out or f"results/fleet-{dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     base = FleetConfig(
         model=args.model,
