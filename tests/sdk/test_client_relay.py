@@ -130,3 +130,31 @@ async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
     kept = load_model(tmp_path / "state", federation="fed", client_id="d1")
     assert kept is not None and kept.model_round == 3 and kept.client_id == "d1"
     assert kept.weights[1].tobytes() == weights(3)[1].tobytes()
+
+
+async def test_a_relayed_model_that_cannot_be_kept_is_held_and_announced_all_the_same(
+    he: HEBackend, tmp_path: Path
+) -> None:
+    hellos: list[int] = []
+    device = DeviceState("d1", "fed", None, None, None, he, summary=ClientSummary("d1"))
+    work = Work(
+        device, intra_op_threads=1, pool_capacity=0, self_audit=False, self_audit_db=DEFAULT_THRESHOLD_DB
+    )
+
+    class Link:
+        async def say_hello(self, publish: Any) -> None:
+            hellos.append(device.model_round)
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the state directory should be")
+    relay = ModelRelay(device, work, Link(), blocked)  # type: ignore[arg-type]
+    saved = SavedModel("fed", "d0", 0, 3, "m", NAMES, weights(3))
+    box = ModelSealer(he).seal(
+        model_bytes(saved), federation="fed", sender="d0", recipient="d1", round_id=3, cluster_id=0
+    )
+
+    async def publish(kind: str, msg: BaseMessage) -> tuple[float, int]:
+        raise AssertionError("nothing to publish")
+
+    await relay.on_message(SealedModel("d0", "d1", 3, 0, box), publish)
+    assert hellos == [3] and device.model_round == 3

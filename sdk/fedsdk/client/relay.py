@@ -28,7 +28,7 @@ from fedsdk.client.saved import SavedModel, model_bytes, model_from_bytes, save_
 from fedsdk.client.state import DeviceState
 from fedsdk.client.work import Work
 from fedsdk.crypto.shares import ModelSealer
-from fedsdk.errors import CryptoError, TransportClosed, TransportError
+from fedsdk.errors import CryptoError, FedError, TransportClosed, TransportError
 from fedsdk.protocol import ModelRequest, SealedModel
 from fedsdk.protocol import topics as T
 
@@ -66,6 +66,8 @@ class ModelRelay:
                 log.warning(
                     "could not send the model sealed for %s: %s", getattr(msg, "for_client", "?"), exc
                 )
+            except (FedError, OSError, ValueError) as exc:  # a task's last line: nothing escapes unseen
+                log.warning("model relay (%s) failed: %s", type(msg).__name__, exc)
 
         task = asyncio.create_task(run(), name=f"fedclient-relay-{self.device.client_id}")
         self.tasks.add(task)
@@ -83,7 +85,10 @@ class ModelRelay:
             self._work.names = saved.param_names
             if self._state_dir is not None:
                 mine = dataclasses.replace(saved, client_id=self.device.client_id)
-                await asyncio.get_running_loop().run_in_executor(None, save_model, self._state_dir, mine)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, save_model, self._state_dir, mine)
+                except (OSError, ValueError) as exc:  # held all the same; the next applied round tries again
+                    log.warning("could not keep the relayed model in %s: %s", self._state_dir, exc)
         if hello:
             await self._link.say_hello(publish)
 
