@@ -103,9 +103,9 @@ async def test_a_relayed_model_is_held_only_when_newer_and_shaped_like_the_model
     assert device.weights[0].tobytes() == weights(3)[0].tobytes()
 
 
-async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
-    he: HEBackend, tmp_path: Path
-) -> None:
+async def relay_to_d1(he: HEBackend, state_dir: Path) -> tuple[DeviceState, Work, list[int]]:
+    """A device d1 without a model, with ``state_dir``, takes d0's round-3 model relayed to it; the rounds
+    of the models it said hello holding."""
     hellos: list[int] = []
     device = DeviceState("d1", "fed", None, None, None, he, summary=ClientSummary("d1"))
     work = Work(
@@ -116,16 +116,22 @@ async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
         async def say_hello(self, publish: Any) -> None:
             hellos.append(device.model_round)
 
-    relay = ModelRelay(device, work, Link(), tmp_path / "state")  # type: ignore[arg-type]
+    async def publish(kind: str, msg: BaseMessage) -> tuple[float, int]:
+        raise AssertionError("nothing to publish")
+
+    relay = ModelRelay(device, work, Link(), state_dir)  # type: ignore[arg-type]
     saved = SavedModel("fed", "d0", 0, 3, "m", NAMES, weights(3))
     box = ModelSealer(he).seal(
         model_bytes(saved), federation="fed", sender="d0", recipient="d1", round_id=3, cluster_id=0
     )
-
-    async def publish(kind: str, msg: BaseMessage) -> tuple[float, int]:
-        raise AssertionError("nothing to publish")
-
     await relay.on_message(SealedModel("d0", "d1", 3, 0, box), publish)
+    return device, work, hellos
+
+
+async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
+    he: HEBackend, tmp_path: Path
+) -> None:
+    _, work, hellos = await relay_to_d1(he, tmp_path / "state")
     assert hellos == [3] and work.names == NAMES  # it says hello holding round 3's model
     kept = load_model(tmp_path / "state", federation="fed", client_id="d1")
     assert kept is not None and kept.model_round == 3 and kept.client_id == "d1"
@@ -135,26 +141,7 @@ async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
 async def test_a_relayed_model_that_cannot_be_kept_is_held_and_announced_all_the_same(
     he: HEBackend, tmp_path: Path
 ) -> None:
-    hellos: list[int] = []
-    device = DeviceState("d1", "fed", None, None, None, he, summary=ClientSummary("d1"))
-    work = Work(
-        device, intra_op_threads=1, pool_capacity=0, self_audit=False, self_audit_db=DEFAULT_THRESHOLD_DB
-    )
-
-    class Link:
-        async def say_hello(self, publish: Any) -> None:
-            hellos.append(device.model_round)
-
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the state directory should be")
-    relay = ModelRelay(device, work, Link(), blocked)  # type: ignore[arg-type]
-    saved = SavedModel("fed", "d0", 0, 3, "m", NAMES, weights(3))
-    box = ModelSealer(he).seal(
-        model_bytes(saved), federation="fed", sender="d0", recipient="d1", round_id=3, cluster_id=0
-    )
-
-    async def publish(kind: str, msg: BaseMessage) -> tuple[float, int]:
-        raise AssertionError("nothing to publish")
-
-    await relay.on_message(SealedModel("d0", "d1", 3, 0, box), publish)
+    device, _, hellos = await relay_to_d1(he, blocked)
     assert hellos == [3] and device.model_round == 3
