@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def relays(*, he: bool = True, key_mode: str = "shared") -> tuple[ModelRelays, l
     return r, sent
 
 
-def test_a_device_behind_its_cluster_is_asked_for_once_from_the_newest_holder() -> None:
+def test_a_device_behind_its_cluster_is_asked_for_once_from_the_newest_holder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     r, sent = relays()
     members = {"a": 0, "b": 0, "c": 0, "x": 1}
     for cid, held in {"a": 4, "b": 5, "c": -1, "x": 9}.items():
@@ -40,7 +43,11 @@ def test_a_device_behind_its_cluster_is_asked_for_once_from_the_newest_holder() 
     assert r.request("c", members, members) and len(sent) == 1  # under way: not asked twice
     # the holder answers; the relay goes to c, unchanged
     answer = encode(SealedModel("b", "c", 5, 0, b"s" * 40))
-    r.on_sealed("b", decode(answer), answer, members)
+    with caplog.at_level(logging.INFO, logger="fedsdk.progress.rounds"):
+        r.on_sealed("b", decode(answer), answer, members)
+    assert [x.getMessage() for x in caplog.records] == [
+        "device c lacked cluster 0's model: relayed round 5's, sealed by b (40 bytes)"
+    ]
     assert sent[-1] == ("fl/fed/down/c", answer) and r.relayed == 1
     r.heard("c", 5)  # its next hello
     assert not r.request("c", members, members) and r.lacking(members, members) == {"a"}

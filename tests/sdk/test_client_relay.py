@@ -4,6 +4,7 @@ while an aggregate is being applied, and what it refuses to hold."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,13 @@ async def relay_to_d1(he: HEBackend, state_dir: Path) -> tuple[DeviceState, Work
 
 
 async def test_a_relayed_model_is_kept_in_the_state_directory_and_announced(
-    he: HEBackend, tmp_path: Path
+    he: HEBackend, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, work, hellos = await relay_to_d1(he, tmp_path / "state")
+    with caplog.at_level(logging.INFO, logger="fedsdk.progress"):
+        _, work, hellos = await relay_to_d1(he, tmp_path / "state")
     assert hellos == [3] and work.names == NAMES  # it says hello holding round 3's model
+    shown = [r.getMessage() for r in caplog.records if r.name == "fedsdk.progress"]
+    assert shown == ["holds cluster 0's model of round 3, sealed for it by d0 and relayed by the coordinator"]
     kept = load_model(tmp_path / "state", federation="fed", client_id="d1")
     assert kept is not None and kept.model_round == 3 and kept.client_id == "d1"
     assert kept.weights[1].tobytes() == weights(3)[1].tobytes()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from fedsdk.errors import ValidationError
 from fedsdk.protocol import ModelRequest, SealedModel, encode
 from fedsdk.protocol import topics as T
+from fedsdk_coordinator.engine.cluster import ROUND_LINES
 from fedsdk_coordinator.engine.config import RoundConfig
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["RELAY_WAIT_S", "ModelRelays", "cluster_members", "without_lacking"]
 
 log = logging.getLogger("fedsdk_coordinator.rounds")
+progress = logging.getLogger(ROUND_LINES)  # the CLI shows these lines by default
 
 RELAY_WAIT_S = 30.0
 
@@ -133,9 +135,9 @@ class ModelRelays:
         self._post(T.down(self.federation, msg.for_client), payload)
         self._asked.pop(msg.for_client, None)  # its next hello says what it holds now
         self.relayed += 1
-        log.info(
-            "relayed %s's model of round %d (cluster %d, %d bytes sealed) to %s",
-            client_id, msg.round_id, msg.cluster_id, len(msg.sealed), msg.for_client,
+        progress.info(  # shown by default, as the rounds are
+            "device %s lacked cluster %d's model: relayed round %d's, sealed by %s (%d bytes)",
+            msg.for_client, msg.cluster_id, msg.round_id, client_id, len(msg.sealed),
         )  # fmt: skip
 
 

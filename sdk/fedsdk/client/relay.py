@@ -35,6 +35,7 @@ from fedsdk.protocol import topics as T
 __all__ = ["ModelRelay"]
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("fedsdk.progress")  # one line when a relayed model is held (the CLI shows it)
 
 
 class ModelRelay:
@@ -184,8 +185,8 @@ class ModelRelay:
         device.weights, device.model_round = saved.weights, saved.model_round
         device.model_id, device.summary.cluster_id = saved.model_id or device.model_id, saved.cluster_id
         device.pending = {r: p for r, p in device.pending.items() if r > saved.model_round}
-        log.info(
-            "holds cluster %d's model of round %d, relayed from %s",
+        progress.info(  # shown by default: the device trains from the next task on
+            "holds cluster %d's model of round %d, sealed for it by %s and relayed by the coordinator",
             saved.cluster_id, saved.model_round, msg.client_id,
         )  # fmt: skip
         return saved, True
