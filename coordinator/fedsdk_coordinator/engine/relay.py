@@ -65,27 +65,31 @@ class ModelRelays:
         r = int(model_round)
         self.held[client_id] = max(self.held.get(client_id, -1), r) if at_least else r
 
+    def _newest(self, online: Iterable[str], members: Mapping[str, int]) -> dict[int, int]:
+        """Per cluster, the round of the newest model one of its online devices holds."""
+        best: dict[int, int] = {}
+        for c in online:
+            if c in members:
+                best[members[c]] = max(best.get(members[c], -1), self.held.get(c, -1))
+        return best
+
     def target(
         self, client_id: str, cluster: int | None, members: Mapping[str, int], online: Iterable[str]
     ) -> int:
         """The round of the model ``client_id`` should get from a device of its cluster, or -1 when it needs
-        none (``members``: device -> cluster)."""
+        none (``members``: device -> cluster): the newest its cluster's online devices hold, when that is
+        newer than its own and not the initial model (round 0, which the coordinator sends itself)."""
         if not self.enabled or cluster is None:
             return -1
-        mine = self.held.get(client_id, -1)
-        best = max(
-            (self.held.get(c, -1) for c in online if c != client_id and members.get(c) == cluster), default=-1
-        )
-        return best if best >= 1 and best > mine else -1
+        best = self._newest(online, members).get(cluster, -1)
+        return best if 1 <= best > self.held.get(client_id, -1) else -1
 
     def lacking(self, online: Iterable[str], members: Mapping[str, int]) -> set[str]:
-        """The online devices that lack their cluster's newest model (as :meth:`target`, for all at once)."""
+        """The online devices that lack their cluster's newest model (:meth:`target` for all at once)."""
         if not self.enabled:
             return set()
         ids = [c for c in online if c in members]
-        best: dict[int, int] = {}
-        for c in ids:
-            best[members[c]] = max(best.get(members[c], -1), self.held.get(c, -1))
+        best = self._newest(ids, members)
         return {c for c in ids if 1 <= best[members[c]] > self.held.get(c, -1)}
 
     def request(self, client_id: str, members: Mapping[str, int], online: Iterable[str]) -> bool:

@@ -17,14 +17,13 @@ device of its cluster that holds it, through the coordinator, which cannot read 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import zipfile
 from collections.abc import Awaitable, Callable
 
 from fedsdk.client.link import Link, Publish
-from fedsdk.client.saved import SavedModel, model_bytes, model_from_bytes, save_model
+from fedsdk.client.saved import SavedModel, held_model, keep_model, model_bytes, model_from_bytes
 from fedsdk.client.state import DeviceState
 from fedsdk.client.work import Work
 from fedsdk.crypto.shares import ModelSealer
@@ -85,9 +84,9 @@ class ModelRelay:
         if saved is not None:
             self._work.names = saved.param_names
             if self._state_dir is not None:
-                mine = dataclasses.replace(saved, client_id=self.device.client_id)
+                keep = (self._state_dir, self.device, saved.param_names, saved.cluster_id)
                 try:
-                    await asyncio.get_running_loop().run_in_executor(None, save_model, self._state_dir, mine)
+                    await asyncio.get_running_loop().run_in_executor(None, keep_model, *keep)
                 except (OSError, ValueError) as exc:  # held all the same; the next applied round tries again
                     log.warning("could not keep the relayed model in %s: %s", self._state_dir, exc)
         if hello:
@@ -103,8 +102,9 @@ class ModelRelay:
         """Seal the model this device holds for ``req.for_client`` and publish it (nothing when it holds
         none of that cluster, or an older one than asked for)."""
         device = self.device
-        sealer, weights, cluster = self.sealer(), device.weights, device.summary.cluster_id
-        if sealer is None or weights is None or not names or device.model_round < req.round_id:
+        sealer, cluster = self.sealer(), device.summary.cluster_id
+        saved = held_model(device, names, req.cluster_id)
+        if sealer is None or saved is None or not names or saved.model_round < req.round_id:
             log.warning(
                 "asked for the model of round %d for %s: this device holds round %d's, not sent",
                 req.round_id, req.for_client, device.model_round,
@@ -115,15 +115,6 @@ class ModelRelay:
                 "asked for cluster %d's model: this device holds cluster %d's", req.cluster_id, cluster
             )
             return
-        saved = SavedModel(
-            federation=device.federation,
-            client_id=device.client_id,
-            cluster_id=req.cluster_id,
-            model_round=device.model_round,
-            model_id=device.model_id or "",
-            param_names=names,
-            weights=weights,
-        )
 
         def seal() -> bytes:
             return sealer.seal(

@@ -48,6 +48,7 @@ from fedsdk.files import write_private
 __all__ = [
     "MODEL_FILE",
     "SavedModel",
+    "held_model",
     "keep_model",
     "load_model",
     "model_bytes",
@@ -82,14 +83,12 @@ def save_model(state_dir: str | os.PathLike[str], saved: SavedModel) -> Path:
     return write_private(folder / MODEL_FILE, model_bytes(saved))
 
 
-def keep_model(
-    state_dir: str | os.PathLike[str], device: DeviceState, names: tuple[str, ...], cluster_id: int
-) -> None:
-    """Write the model ``device`` holds (of cluster ``cluster_id``, parameters ``names``) to ``state_dir``;
-    nothing when it holds none."""
+def held_model(device: DeviceState, names: tuple[str, ...], cluster_id: int) -> SavedModel | None:
+    """The model ``device`` holds (of cluster ``cluster_id``, parameters ``names``), as it is kept and
+    relayed; None when it holds none."""
     if device.weights is None:
-        return
-    saved = SavedModel(
+        return None
+    return SavedModel(
         federation=device.federation,
         client_id=device.client_id,
         cluster_id=cluster_id,
@@ -98,7 +97,15 @@ def keep_model(
         param_names=names,
         weights=device.weights,
     )
-    save_model(state_dir, saved)
+
+
+def keep_model(
+    state_dir: str | os.PathLike[str], device: DeviceState, names: tuple[str, ...], cluster_id: int
+) -> None:
+    """Write the model ``device`` holds to ``state_dir`` (:func:`held_model`); nothing when it holds none."""
+    saved = held_model(device, names, cluster_id)
+    if saved is not None:
+        save_model(state_dir, saved)
 
 
 def model_bytes(saved: SavedModel) -> bytes:

@@ -46,6 +46,31 @@ MODEL_INFO = b"fedsdk model-relay v1"  # another HKDF info: the two keys are ind
 NONCE_BYTES = 12
 
 
+class _Aead:
+    """AES-256-GCM under a key derived with HKDF-SHA256 from ``backend``'s secret key (salt: its key id,
+    info: ``info``, one per use, so the keys of different uses are independent); a random 12-byte nonce
+    before each ciphertext."""
+
+    def __init__(self, backend: HEBackend, info: bytes) -> None:
+        self.key_id: bytes = backend.key_id
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=self.key_id, info=info)
+        self._aead = AESGCM(hkdf.derive(backend.secret_bytes()))
+
+    def seal(self, body: bytes, aad: bytes) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, body, aad)
+
+    def open(self, sealed: bytes, aad: bytes, what: str, bound: str) -> bytes:
+        """The sealed body; :class:`CiphertextError` naming ``what`` unless it authenticates, with the
+        associated data ``aad`` (``bound``: what that data names)."""
+        if len(sealed) < NONCE_BYTES + 16:
+            raise CiphertextError(f"{what} too short")
+        try:
+            return self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
+        except InvalidTag:
+            raise CiphertextError(f"{what} does not authenticate: another key, {bound}") from None
+
+
 class ShareSealer:
     """Seals and opens decryption shares under a key derived from ``backend``'s secret key.
 
@@ -61,11 +86,10 @@ class ShareSealer:
         keys = getattr(backend, "keys", None)
         if backend.name != "packed" or keys is None:
             raise CryptoError(f"cooperative decryption needs the packed backend, not {backend.name!r}")
+        self._aead = _Aead(backend, INFO)
         self.key_id: bytes = backend.key_id
         self.n = int(keys.n)
         self.width = (self.n.bit_length() + 7) // 8
-        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=self.key_id, info=INFO)
-        self._aead = AESGCM(hkdf.derive(backend.secret_bytes()))
 
     def _aad(
         self, federation: str, round_id: int, cluster_id: int, client_id: str, packs: np.ndarray
@@ -89,9 +113,7 @@ class ShareSealer:
         if any(not 0 <= int(m) < self.n for m in plains):
             raise CryptoError("a plaintext is not in [0, n): not a Paillier decryption")
         body = b"".join(int(m).to_bytes(self.width, "little") for m in plains)
-        nonce = os.urandom(NONCE_BYTES)
-        aad = self._aad(federation, round_id, cluster_id, client_id, packs)
-        return nonce + self._aead.encrypt(nonce, body, aad)
+        return self._aead.seal(body, self._aad(federation, round_id, cluster_id, client_id, packs))
 
     def open(
         self,
@@ -105,15 +127,8 @@ class ShareSealer:
     ) -> list[int]:
         """The plaintexts of a sealed share; :class:`CiphertextError` if it was not sealed under this key for
         exactly this federation, round, cluster, sender and packs, or does not hold one plaintext per pack."""
-        if len(sealed) < NONCE_BYTES + 16:
-            raise CiphertextError("sealed share too short")
         aad = self._aad(federation, round_id, cluster_id, client_id, packs)
-        try:
-            body = self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
-        except InvalidTag:
-            raise CiphertextError(
-                "share does not authenticate: another key, round, sender or packs"
-            ) from None
+        body = self._aead.open(sealed, aad, "sealed share", "round, sender or packs")
         if len(body) != self.width * len(packs):
             raise CiphertextError(f"share holds {len(body)} bytes for {len(packs)} packs")
         out = [int.from_bytes(body[i : i + self.width], "little") for i in range(0, len(body), self.width)]
@@ -138,9 +153,8 @@ class ModelSealer:
     def __init__(self, backend: HEBackend) -> None:
         if not backend.can_decrypt:
             raise CryptoError("relaying a model needs the HE secret key (key mode 'shared')")
+        self._aead = _Aead(backend, MODEL_INFO)
         self.key_id: bytes = backend.key_id
-        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=self.key_id, info=MODEL_INFO)
-        self._aead = AESGCM(hkdf.derive(backend.secret_bytes()))
 
     def _aad(self, federation: str, sender: str, recipient: str, round_id: int, cluster_id: int) -> bytes:
         head = "\x00".join((federation, sender, recipient, self.key_id.hex())).encode()
@@ -150,22 +164,12 @@ class ModelSealer:
         self, body: bytes, *, federation: str, sender: str, recipient: str, round_id: int, cluster_id: int
     ) -> bytes:
         """nonce | AES-GCM(body) for ``recipient``."""
-        nonce = os.urandom(NONCE_BYTES)
-        return nonce + self._aead.encrypt(
-            nonce, body, self._aad(federation, sender, recipient, round_id, cluster_id)
-        )
+        return self._aead.seal(body, self._aad(federation, sender, recipient, round_id, cluster_id))
 
     def open(
         self, sealed: bytes, *, federation: str, sender: str, recipient: str, round_id: int, cluster_id: int
     ) -> bytes:
         """The sealed bytes; :class:`CiphertextError` unless they were sealed under this key for exactly this
         federation, sender, recipient, round and cluster."""
-        if len(sealed) < NONCE_BYTES + 16:
-            raise CiphertextError("sealed model too short")
         aad = self._aad(federation, sender, recipient, round_id, cluster_id)
-        try:
-            return self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
-        except InvalidTag:
-            raise CiphertextError(
-                "sealed model does not authenticate: another key, sender, recipient or round"
-            ) from None
+        return self._aead.open(sealed, aad, "sealed model", "sender, recipient or round")
