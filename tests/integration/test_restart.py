@@ -31,7 +31,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,6 +39,7 @@ import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, free_port, require_mosquitto, start_mosquitto
+from engines import until
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_iid, save_npz
@@ -155,14 +156,6 @@ class Observer:
         return [
             (topic.split("/")[3], m.round_id) for t, topic, m in self.seen if t > t0 and isinstance(m, Task)
         ]
-
-
-async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def stored_replies(state: Path, round_id: int) -> set[str]:
@@ -389,8 +382,10 @@ async def hold_dev3_in_round_2(fl: Federation) -> None:
     assert obs is not None and fl.proxy is not None
     await asyncio.wait_for(fl.proxy.held.wait(), 90)
     kinds = (Update, EncryptedUpdate)
-    await wait_until(
-        lambda: obs.has(kinds, "dev1", 2) and obs.has(kinds, "dev2", 2), "round 2 updates of dev1 and dev2"
+    await until(
+        lambda: obs.has(kinds, "dev1", 2) and obs.has(kinds, "dev2", 2),
+        "round 2 updates of dev1 and dev2",
+        90,
     )
     assert obs.has(Report, "dev3", 1) and not obs.has(kinds, "dev3", 2)
 
@@ -416,7 +411,7 @@ async def test_kill_9_mid_round_resumes_and_ends_with_the_uninterrupted_model(
         await fl.start_coordinator()
         await fl.start_devices()
         await hold_dev3_in_round_2(fl)
-        await wait_until(lambda: stored_replies(fl.state, 2) == {"dev1", "dev2"}, "stored replies", 30)
+        await until(lambda: stored_replies(fl.state, 2) == {"dev1", "dev2"}, "stored replies", 30)
         first = fl.crash_coordinator()
         assert await asyncio.wait_for(first.wait(), 10) == -signal.SIGKILL
         killed_at = time.monotonic()
@@ -465,7 +460,7 @@ async def test_kill_9_under_he_with_clustering_resumes_with_the_stored_ciphertex
             await fl.start_coordinator()
             await fl.start_devices()
             await hold_dev3_in_round_2(fl)
-            await wait_until(lambda: stored_replies(fl.state, 2) == {"dev1", "dev2"}, "stored replies", 30)
+            await until(lambda: stored_replies(fl.state, 2) == {"dev1", "dev2"}, "stored replies", 30)
             first = fl.crash_coordinator()
             assert await asyncio.wait_for(first.wait(), 10) == -signal.SIGKILL
             killed_at = time.monotonic()
