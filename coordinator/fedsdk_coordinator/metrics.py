@@ -31,6 +31,11 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("fedsdk_updates_accepted_total", "counter", "updates aggregated, over finished rounds and clusters"),
     ("fedsdk_late_updates_total", "counter", "replies and reports for a round no longer open"),
     ("fedsdk_models_relayed_total", "counter", "sealed models relayed to devices that lacked them (HE)"),
+    (
+        "fedsdk_model_rounds_lost_total",
+        "counter",
+        "rounds of progress given up because no online device held the cluster's model (HE)",
+    ),
     ("fedsdk_rejected_messages_total", "counter", "messages refused by the protocol checks, by code"),
     ("fedsdk_rejected_frames_total", "counter", "frames the transport refused before reassembly, by code"),
     ("fedsdk_dropped_messages_total", "counter", "messages the transport dropped, by reason"),
@@ -98,9 +103,13 @@ class FederationCollector(Collector):
         late = _counter("fedsdk_late_updates_total")
         late.add_metric([], h["late"])
         yield late
-        relayed = _counter("fedsdk_models_relayed_total")
-        relayed.add_metric([], h["models_relayed"])
-        yield relayed
+        for name, key in (
+            ("fedsdk_models_relayed_total", "models_relayed"),
+            ("fedsdk_model_rounds_lost_total", "model_rounds_lost"),
+        ):
+            family = _counter(name)
+            family.add_metric([], h[key])
+            yield family
         for name, counts in (
             ("fedsdk_rejected_messages_total", h["rejected"]),
             ("fedsdk_device_failures_total", h["device_failures"]),

@@ -93,7 +93,7 @@ class RoundEngine(FederationState):
         self.epoch = uuid.uuid4().hex[:12]
         self.finished = asyncio.Event()
         self.outbox = Outbox(lambda: self.publish)  # what inbound handlers decide to send
-        self.relays = ModelRelays(config, self.outbox.post, he=self.he is not None)
+        self.relays = ModelRelays(config, self.outbox.post, he=self.he is not None, store=store)
         self._last_aggregate: dict[int, tuple[str, bytes]] = {}
         self.inbound = Inbound(self)
         self._restore()
@@ -371,5 +371,5 @@ class RoundEngine(FederationState):
             "detail": self.detail,
             "late": self.late,
             "resent": self.resent,
-            "models_relayed": self.relays.relayed,
+            **self.relays.counts(),
         }

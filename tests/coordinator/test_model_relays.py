@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -114,3 +115,92 @@ async def test_a_plan_waits_for_a_first_relay_only(
     assert time.monotonic() - t0 < 0.5
     e.handle(T.up(e.config.federation, "b", T.HELLO), encode(Hello("b", 10, "0.1.0", {"model_round": 3})))
     assert sorted(await without_lacking(e, 6)) == ["a", "b"]  # its hello says it holds the model now
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.dictionaries(st.sampled_from("abcdefgh"), st.integers(-1, 6), min_size=1),
+    newest=st.dictionaries(st.integers(0, 3), st.integers(1, 7)),
+    k=st.integers(1, 3),
+)
+def test_stranded_is_exactly_a_cluster_whose_newest_model_no_online_device_holds(
+    held: dict[str, int], newest: dict[int, int], k: int
+) -> None:
+    r, _ = relays()
+    members = {cid: ord(cid) % k for cid in held}
+    for cid, m in held.items():
+        r.heard(cid, m)
+    for cluster, rnd in newest.items():
+        r.published(cluster, rnd)
+    stranded = r.stranded(members)
+    for cluster in set(members.values()):
+        best = max(v for c, v in held.items() if members[c] == cluster)
+        want = cluster in newest and newest[cluster] > best  # no aggregate yet: the initial model
+        assert (cluster in stranded) == want
+        if want:
+            assert stranded[cluster] == (newest[cluster], best)
+            r.give_up(cluster, *stranded[cluster])
+    assert r.stranded(members) == {}  # each given up once, not waited for again
+    assert r.rounds_lost == sum(n - max(b, 0) for n, b in stranded.values())
+
+
+def hello(e: object, cid: str, model_round: int) -> None:
+    e.handle(  # type: ignore[attr-defined]
+        T.up(e.config.federation, cid, T.HELLO),  # type: ignore[attr-defined]
+        encode(Hello(cid, 10, "0.1.0", {"model_round": model_round})),
+    )
+
+
+async def test_a_plan_waits_for_a_holder_of_the_newest_model_then_goes_on_loudly(
+    tmp_path: Path,
+    public: dict[str, HEBackend],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Round 3's model is held only by c, which is offline: the plan waits for it, then goes on from
+    round 1's, the newest an online device holds, and says which rounds' progress is lost."""
+    monkeypatch.setattr(relay, "RELAY_WAIT_S", 1.0)
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    e.relays.published(0, 3)
+    e.relays.heard("c", 3)  # heard before, not online now
+    hello(e, "a", 1)
+    hello(e, "b", 1)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="fedsdk.progress.rounds"):
+        assert sorted(await without_lacking(e, 4)) == ["a", "b"]
+    assert 0.9 < time.monotonic() - t0 < 5.0
+    lines = [x.getMessage() for x in caplog.records if x.name == "fedsdk.progress.rounds"]
+    assert lines == [
+        "cluster 0: no online device holds its model of round 3 (offline: c); round 4 waits up to 1 s for "
+        "one to return",
+        "cluster 0 goes on from round 1's model: no device holding its model of round 3 returned within 1 s; "
+        "the progress of rounds 2-3 is lost",
+    ]
+    assert e.health()["model_rounds_lost"] == 2
+    t0 = time.monotonic()
+    assert sorted(await without_lacking(e, 5)) == ["a", "b"]  # given up once, not waited for again
+    assert time.monotonic() - t0 < 0.5
+
+
+async def test_a_holder_back_within_the_wait_ends_it_and_nothing_is_lost(
+    tmp_path: Path, public: dict[str, HEBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relay, "RELAY_WAIT_S", 5.0)
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    e.store.save_encrypted(
+        0, 2, b"an aggregate"
+    )  # kept by an earlier instance: the newest model is round 2's
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    assert e.relays.newest == {0: 2}
+    hello(e, "a", 2)
+    hello(e, "b", -1)
+    assert e.relays.stranded({"b": 0}) == {0: (2, -1)}
+    assert await without_lacking(e, 3) == ["a"]  # a holds it: no wait for a holder; b waits for its relay
+    e.relays = ModelRelays(e.config, lambda t, p: None, he=True)
+    e.relays.published(0, 2)
+    hello(e, "a", -1)  # now neither holds it
+    hello(e, "b", -1)
+    asyncio.get_running_loop().call_later(0.3, hello, e, "c", 2)
+    t0 = time.monotonic()
+    assert sorted(await without_lacking(e, 3)) == ["c"]  # c came back with it; a and b wait for relays
+    assert time.monotonic() - t0 < 5.0 + 0.5 and e.health()["model_rounds_lost"] == 0

@@ -102,6 +102,7 @@ def test_a_drifted_response_fails_validation() -> None:
         "current_round": 2, "rounds_planned": 3, "online": 2, "clusters": {"d0": 0}, "silhouette": None,
         "rejected": {}, "rejected_frames": {"bad_magic": 1}, "device_failures": {}, "refused": {},
         "detail": "", "late": 0, "resent": 0, "models_relayed": 0,
+        "model_rounds_lost": 0,
         "transport": {k: 0 for k in SPEC["components"]["schemas"]["TransportStats"]["required"]},
     }  # fmt: skip
     validator = response_validator("/api/health", 200, "application/json")

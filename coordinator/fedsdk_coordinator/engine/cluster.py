@@ -108,6 +108,7 @@ async def _aggregate(e: RoundEngine, rnd: RoundState, valid: list[Any]) -> Aggre
     agg = await e.strategy.aggregate(rnd, valid, AggregationInputs(current, e.executor, evaluate))
     if agg.weights is None:
         e.store.save_encrypted(rnd.cluster_id, rnd.round_id, agg.envelope)
+        e.relays.published(rnd.cluster_id, rnd.round_id)
     else:
         e.store.save_aggregate(rnd.cluster_id, rnd.round_id, agg.envelope, agg.weights)
         e.models[rnd.cluster_id] = agg.weights

@@ -19,6 +19,15 @@ Decisions:
   :data:`RELAY_WAIT_S` for the relay: a device that lacks a model at the end of a round usually holds it
   moments later), and a task of a round it is already in waits until its next hello says it holds the
   model; the round's deadline bounds that wait as for any missing reply.
+* **A model no online device holds is waited for, then given up loudly.** The coordinator knows the newest
+  round each cluster aggregated (its stored encrypted aggregates) but cannot read it. When no online device
+  of the cluster holds that round's model (its holders are offline: the devices back first are new ones,
+  or ones that lost or missed it), the round is planned only after a device holding it says hello, for up
+  to :data:`RELAY_WAIT_S` (at most one deadline); then it goes on from the newest model an online device
+  holds (the initial one if none), with a warning naming the rounds whose progress is lost, counted in
+  ``model_rounds_lost`` (``/api/health``, ``fedsdk_model_rounds_lost_total``). Decision: wait and then go
+  on, not wait forever: holders that never come back would stop the federation, and a loud regression
+  can be acted on; before, the cluster silently restarted from whatever its online devices held.
 * **One request at a time** per device, sent again to the then-best holder after :data:`RELAY_WAIT_S`
   (a holder that left, or one whose answer was lost). A plan waits for a device's first request only: a
   relay that failed once does not hold every later round up as well.
@@ -29,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 from fedsdk.errors import ValidationError
@@ -39,6 +49,7 @@ from fedsdk_coordinator.engine.config import RoundConfig
 
 if TYPE_CHECKING:
     from fedsdk_coordinator.rounds import RoundEngine
+    from fedsdk_coordinator.store import Store
 
 __all__ = ["RELAY_WAIT_S", "ModelRelays", "cluster_members", "without_lacking"]
 
@@ -51,11 +62,22 @@ RELAY_WAIT_S = 30.0
 class ModelRelays:
     """The rounds of the models devices hold, and the relays under way (module docstring)."""
 
-    def __init__(self, config: RoundConfig, post: Callable[[str, bytes], None], *, he: bool) -> None:
+    def __init__(
+        self,
+        config: RoundConfig,
+        post: Callable[[str, bytes], None],
+        *,
+        he: bool,
+        store: Store | None = None,
+    ) -> None:
         self.federation = config.federation
         self.enabled = he and config.key_mode == "shared"  # the devices hold the model and the key
         self._post = post
         self.held: dict[str, int] = {}  # the round of the model each device holds (-1: none)
+        # per cluster, the newest round aggregated (also by an earlier instance of the coordinator)
+        self.newest: dict[int, int] = store.newest_encrypted() if store is not None and he else {}
+        self._given_up: set[tuple[int, int]] = set()  # (cluster, round) whose model was waited for in vain
+        self.rounds_lost = 0  # rounds of progress given up that way
         self._asked: dict[str, tuple[str, float, int]] = {}  # device -> (holder asked, when, requests sent)
         self.relayed = 0  # sealed models relayed so far
 
@@ -64,6 +86,38 @@ class ModelRelays:
         applied that round)."""
         r = int(model_round)
         self.held[client_id] = max(self.held.get(client_id, -1), r) if at_least else r
+
+    def counts(self) -> dict[str, int]:
+        """For ``/api/health``: models relayed, and rounds of progress given up."""
+        return {"models_relayed": self.relayed, "model_rounds_lost": self.rounds_lost}
+
+    def published(self, cluster_id: int, round_id: int) -> None:
+        """``cluster_id``'s aggregate of ``round_id`` went out: the model its devices will hold."""
+        self.newest[cluster_id] = max(self.newest.get(cluster_id, 0), int(round_id))
+
+    def stranded(self, members: Mapping[str, int]) -> dict[int, tuple[int, int]]:
+        """Per cluster of an online device (``members``: online device -> cluster) whose newest model no
+        online device holds and was not given up yet: (that round, the newest an online device holds)."""
+        if not self.enabled:
+            return {}
+        best = self._newest(members, members)
+        return {
+            k: (self.newest[k], b)
+            for k, b in best.items()
+            if 1 <= self.newest.get(k, 0) > b and (k, self.newest[k]) not in self._given_up
+        }
+
+    def give_up(self, cluster_id: int, newest: int, held: int) -> None:
+        """Go on without ``cluster_id``'s model of round ``newest``, from the one of round ``held``."""
+        self._given_up.add((cluster_id, newest))
+        self.rounds_lost += newest - max(held, 0)
+
+    def offline_holders(
+        self, newest: int, online: Iterable[str], in_cluster: Callable[[str], bool]
+    ) -> list[str]:
+        """The devices known to hold a model of round ``newest`` or later that are not online."""
+        on = set(online)
+        return sorted(c for c, r in self.held.items() if r >= newest and c not in on and in_cluster(c))
 
     def _newest(self, online: Iterable[str], members: Mapping[str, int]) -> dict[int, int]:
         """Per cluster, the round of the newest model one of its online devices holds."""
@@ -156,6 +210,7 @@ def cluster_members(e: RoundEngine) -> dict[str, int]:
 async def without_lacking(e: RoundEngine, round_id: int) -> list[str]:
     """The online devices that hold their cluster's model, once the models the others lack were asked for and
     waited for a while (module docstring)."""
+    await _wait_for_holders(e, round_id)
     relays, members = e.relays, cluster_members(e)
     lacking = relays.lacking(e.online, members)
     if lacking:
@@ -172,3 +227,35 @@ async def without_lacking(e: RoundEngine, round_id: int) -> list[str]:
                 round_id, ", ".join(sorted(lacking)), wait_s,
             )  # fmt: skip
     return [c for c in e.online if c not in lacking]
+
+
+def _in_cluster(e: RoundEngine, cluster: int, client_id: str) -> bool:
+    return not e.clustered or e.clusters.get(client_id) == cluster
+
+
+async def _wait_for_holders(e: RoundEngine, round_id: int) -> None:
+    """When no online device of a cluster holds its newest model: wait for one to say hello, then go on from
+    the newest model an online device holds, with a warning (module docstring)."""
+    relays = e.relays
+    stranded = relays.stranded(cluster_members(e))
+    if not stranded:
+        return
+    wait_s = min(RELAY_WAIT_S, e.config.deadline_s)
+    for k, (newest, _) in sorted(stranded.items()):
+        away = relays.offline_holders(newest, e.online, partial(_in_cluster, e, k))
+        progress.warning(
+            "cluster %d: no online device holds its model of round %d (offline: %s); round %d waits up to "
+            "%.0f s for one to return",
+            k, newest, ", ".join(away) or "none known", round_id, wait_s,
+        )  # fmt: skip
+    await e.presence_until(lambda: not relays.stranded(cluster_members(e)).keys() & stranded.keys(), wait_s)
+    for k, (newest, held) in sorted(relays.stranded(cluster_members(e)).items()):
+        if k not in stranded:
+            continue
+        relays.give_up(k, newest, held)
+        progress.warning(
+            "cluster %d goes on from %s: no device holding its model of round %d returned within %.0f s; "
+            "the progress of rounds %d-%d is lost",
+            k, f"round {held}'s model" if held > 0 else "the initial model", newest, wait_s,
+            max(held, 0) + 1, newest,
+        )  # fmt: skip

@@ -54,6 +54,11 @@ class CheckpointTables(StoreBase):
             (cluster_id, round_id, time.time(), envelope),
         )
 
+    def newest_encrypted(self) -> dict[int, int]:
+        """Per cluster, the newest round whose encrypted aggregate was kept (published)."""
+        rows = self.db.execute("SELECT cluster_id, MAX(round_id) FROM encrypted GROUP BY cluster_id")
+        return {int(c): int(r) for c, r in rows.fetchall()}
+
     def encrypted(self, cluster_id: int, round_id: int) -> bytes | None:
         row = self.db.execute(
             "SELECT envelope FROM encrypted WHERE cluster_id=? AND round_id=?", (cluster_id, round_id)
