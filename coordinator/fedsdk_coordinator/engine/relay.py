@@ -27,7 +27,10 @@ Decisions:
   holds (the initial one if none), with a warning naming the rounds whose progress is lost, counted in
   ``model_rounds_lost`` (``/api/health``, ``fedsdk_model_rounds_lost_total``). Decision: wait and then go
   on, not wait forever: holders that never come back would stop the federation, and a loud regression
-  can be acted on; before, the cluster silently restarted from whatever its online devices held.
+  can be acted on; before, the cluster silently restarted from whatever its online devices held. Not
+  rebuilt from the stored encrypted aggregates (any key holder could decrypt them and add them up): each
+  round's aggregate tells a device that did not take part in that round more than the model, their sum,
+  does; in a cluster of two or three devices, nearly another device's update of that round.
 * **One request at a time** per device, sent again to the then-best holder after :data:`RELAY_WAIT_S`
   (a holder that left, or one whose answer was lost). A plan waits for a device's first request only: a
   relay that failed once does not hold every later round up as well.
