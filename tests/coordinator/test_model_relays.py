@@ -54,15 +54,35 @@ def test_a_device_behind_its_cluster_is_asked_for_once_from_the_newest_holder(
     assert not r.request("c", members, members) and r.lacking(members, members) == {"a"}
 
 
-def test_nothing_to_relay_in_plaintext_under_the_key_server_or_for_the_initial_model() -> None:
+def test_nothing_to_relay_in_plaintext_or_for_the_initial_model() -> None:
     members = {"a": 0, "b": 0}
-    for he, mode in ((False, "shared"), (True, "keyserver")):
-        r, sent = relays(he=he, key_mode=mode)
-        r.heard("a", 3)
-        assert r.lacking(members, members) == set() and not r.request("b", members, members) and not sent
+    r, sent = relays(he=False)
+    r.heard("a", 3)
+    assert r.lacking(members, members) == set() and not r.request("b", members, members) and not sent
     r, sent = relays()
     r.heard("a", 0)  # the initial model: the coordinator sends it in the task itself
     assert r.lacking(members, members) == set() and not r.request("b", members, members) and not sent
+
+
+def test_under_the_key_server_a_device_behind_is_left_out_untasked_and_told_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nobody can seal a model for it: nothing is asked, and it is not tasked (it used to get the initial
+    model and send updates computed against it)."""
+    r, sent = relays(key_mode="keyserver")
+    members = {"a": 0, "b": 0}
+    r.heard("a", 3)
+    assert r.lacking(members, members) == {"b"}
+    with caplog.at_level(logging.INFO, logger="fedsdk.progress.rounds"):
+        assert r.request("b", members, members) and r.request("b", members, members)
+    assert not sent
+    assert [x.getMessage() for x in caplog.records] == [
+        "device b lacks cluster 0's model of round 3 and is left out of its rounds: under the key server no "
+        "device can seal the model for it (give it back its state directory, or run the federation in key "
+        "mode shared)"
+    ]
+    r.heard("b", 3)  # back with its state directory
+    assert r.lacking(members, members) == set() and not r.request("b", members, members)
 
 
 def test_a_sealed_model_nobody_asked_for_or_for_a_device_gone_is_refused() -> None:

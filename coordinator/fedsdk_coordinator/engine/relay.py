@@ -13,8 +13,11 @@ Decisions:
 
 * **Who lacks a model**: a device whose model (the round it said in its hello, or the last round it
   reported) is older than the newest one an online device of its cluster holds, when that one is not the
-  initial model (the coordinator sends the initial model itself). Only in key mode ``shared``: under the key
-  server the devices do not hold the key the seal needs, and they keep the old behaviour.
+  initial model (the coordinator sends the initial model itself). Relayed only in key mode ``shared``:
+  under the key server the devices do not hold the key the seal needs, and nothing else can give a device
+  the model without showing it to the coordinator. There such a device is **left out of the rounds**, with
+  a warning naming what would get it in (its state directory, or key mode ``shared``): it used to get the
+  initial model, and its updates, computed against it, went into every later aggregate of its cluster.
 * **Not tasked while it lacks one**: a round is planned without it (after waiting up to
   :data:`RELAY_WAIT_S` for the relay: a device that lacks a model at the end of a round usually holds it
   moments later), and a task of a round it is already in waits until its next hello says it holds the
@@ -74,7 +77,9 @@ class ModelRelays:
         store: Store | None = None,
     ) -> None:
         self.federation = config.federation
-        self.enabled = he and config.key_mode == "shared"  # the devices hold the model and the key
+        self.enabled = he  # under HE only the devices hold the model
+        self.sealed = he and config.key_mode == "shared"  # and they hold the key a relay is sealed under
+        self._told: set[str] = set()  # devices left out without a relay, warned of
         self._post = post
         self.held: dict[str, int] = {}  # the round of the model each device holds (-1: none)
         # per cluster, the newest round aggregated (also by an earlier instance of the coordinator)
@@ -151,12 +156,24 @@ class ModelRelays:
 
     def request(self, client_id: str, members: Mapping[str, int], online: Iterable[str]) -> bool:
         """Ask the device of ``client_id``'s cluster that holds the newest model to seal it for
-        ``client_id``, unless a request is under way; False when it needs no model."""
+        ``client_id``, unless a request is under way; False when it needs no model (True: do not task it;
+        under the key server nothing is asked and it stays left out)."""
         ids, cluster = list(online), members.get(client_id)
         target = self.target(client_id, cluster, members, ids)
         if target < 0:
             self._asked.pop(client_id, None)
+            self._told.discard(client_id)
             return False
+        if not self.sealed:  # under the key server: nobody can give it the model; left out, said once
+            if client_id not in self._told:
+                self._told.add(client_id)
+                progress.warning(
+                    "device %s lacks cluster %s's model of round %d and is left out of its rounds: under the "
+                    "key server no device can seal the model for it (give it back its state directory, or "
+                    "run the federation in key mode shared)",
+                    client_id, cluster, target,
+                )  # fmt: skip
+            return True
         now = time.monotonic()
         asked = self._asked.get(client_id)
         if asked is not None and now - asked[1] < RELAY_WAIT_S:
@@ -225,10 +242,12 @@ async def without_lacking(e: RoundEngine, round_id: int) -> list[str]:
             await e.presence_until(lambda: not first & relays.lacking(e.online, cluster_members(e)), wait_s)
         lacking = relays.lacking(e.online, cluster_members(e))
         if lacking:
-            log.warning(
-                "round %d runs without %s: no model of their cluster reached them within %.0f s",
-                round_id, ", ".join(sorted(lacking)), wait_s,
-            )  # fmt: skip
+            why = (
+                f"no model of their cluster reached them within {wait_s:.0f} s"
+                if relays.sealed
+                else ("they lack their cluster's model, which the key server's devices cannot relay")
+            )
+            log.warning("round %d runs without %s: %s", round_id, ", ".join(sorted(lacking)), why)
     return [c for c in e.online if c not in lacking]
 
 
