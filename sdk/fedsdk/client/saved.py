@@ -24,8 +24,8 @@ Decisions:
   an error and says hello again holding nothing, so that its next task brings the federation's model.
 * What it does not cover: a device that missed rounds while it was down restores the model of the last
   round it applied, not the cluster's current one; in key mode ``shared`` the coordinator then has a
-  device of its cluster relay the current one (:mod:`fedsdk.client.relay`) before it trains, under the
-  key server it trains from the stale one. A round the old process trained in but had not applied is not
+  device of its cluster relay the current one (:mod:`fedsdk.client.relay`) before it trains; under the
+  key server, where nobody can relay it, the coordinator leaves it out of the rounds. A round the old process trained in but had not applied is not
   applied by the new one (the coordinator waits for that report until ``report_timeout_s``).
 """
 
