@@ -25,8 +25,9 @@ Decisions:
 * What it does not cover: a device that missed rounds while it was down restores the model of the last
   round it applied, not the cluster's current one; in key mode ``shared`` the coordinator then has a
   device of its cluster relay the current one (:mod:`fedsdk.client.relay`) before it trains; under the
-  key server, where nobody can relay it, the coordinator leaves it out of the rounds. A round the old process trained in but had not applied is not
-  applied by the new one (the coordinator waits for that report until ``report_timeout_s``).
+  key server, where nobody can relay it, the coordinator leaves it out of the rounds. A round the old
+  process trained in but had not applied is not applied by the new one (the coordinator waits for that
+  report until ``report_timeout_s``).
 """
 
 from __future__ import annotations
