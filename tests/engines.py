@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp.test_utils import TestClient, TestServer
 
 from fedsdk.client import FedClient
@@ -110,3 +111,26 @@ def he_key_dirs(tmp_path: Path, key_bits: int = 1024) -> tuple[Path, Path]:
             save_he(tmp_path / "he-public", full, include_secret=False),
             save_he(tmp_path / "he-device", full, include_secret=True),
         )
+
+
+def digit_shards(n: int, seed: int = 0) -> list[tuple[Any, Any]]:
+    """The digits' training set split IID into ``n`` shards ``(x, y)``."""
+    from fedsdk.model.data import load_digits, partition_iid
+
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, n, seed=seed)
+    return [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
+
+
+def slowed(client: FedClient, delay_s: float, bases: dict[int, list[np.ndarray]] | None = None) -> None:
+    """``client`` takes ``delay_s`` more to train (rounds last long enough to join or stop a device between
+    them) and, with ``bases``, records the model each round trains from."""
+    fit = client._fit
+
+    def slow_fit(task: Any, base: list[np.ndarray], fit: Any = fit) -> Any:
+        if bases is not None:
+            bases[task.round_id] = [np.array(w, copy=True) for w in base]
+        time.sleep(delay_s)  # in the executor
+        return fit(task, base)
+
+    client._fit = slow_fit  # type: ignore[method-assign]

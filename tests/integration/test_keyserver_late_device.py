@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import coordinator, device, he_key_dirs, until
+from engines import coordinator, device, digit_shards, he_key_dirs, slowed, until
 from fedsdk.hekeys import load_he
-from fedsdk.model.data import load_digits, partition_iid
-from fedsdk.protocol import Task
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator.keyserver import KeyServer
 from fedsdk_coordinator.rounds import RoundConfig
@@ -33,25 +29,11 @@ def _need_mosquitto() -> None:
     require_mosquitto()
 
 
-def recording(client: Any, bases: dict[int, list[np.ndarray]]) -> None:
-    """The device takes 0.3 s more to train (time to join between rounds) and records each round's base."""
-    fit = client._fit
-
-    def slow_fit(task: Task, base: list[np.ndarray], fit: Any = fit) -> Any:
-        bases[task.round_id] = [np.array(w, copy=True) for w in base]
-        time.sleep(0.3)  # in the executor
-        return fit(task, base)
-
-    client._fit = slow_fit
-
-
 async def test_a_late_device_is_left_out_instead_of_training_from_the_initial_model(
     tmp_path: Path, broker: MosquittoProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     public, secret = he_key_dirs(tmp_path)
-    digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, 3, seed=0)
-    shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
+    shards = digit_shards(3)
     rounds = RoundConfig(
         federation="kslate", strategy="fedsdk", key_mode="keyserver", rounds=5, min_clients=2,
         start_clients=2, deadline_s=30.0, seed=1, clustering=False, farewell_s=5.0,
@@ -62,13 +44,13 @@ async def test_a_late_device_is_left_out_instead_of_training_from_the_initial_mo
         bases: list[dict[int, list[np.ndarray]]] = [{}, {}, {}]
         first = [device(broker, engine, f"d{i}", shards[i], he=load_he(public)) for i in range(2)]
         for d, b in zip(first, bases, strict=False):
-            recording(d, b)
+            slowed(d, 0.3, b)
         with caplog.at_level(logging.INFO, logger="fedsdk.progress.rounds"):
             async with first[0], first[1]:
                 runs = [asyncio.create_task(d.run(timeout=120)) for d in first]
                 await until(lambda: engine.completed_round >= 2, "round 2")
                 late = device(broker, engine, "d2", shards[2], he=load_he(public))
-                recording(late, bases[2])
+                slowed(late, 0.3, bases[2])
                 async with late:
                     summaries = await asyncio.gather(*runs, late.run(timeout=120))
         keyserver.cancel()

@@ -15,19 +15,15 @@ model it relayed.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import coordinator, device, he_key_dirs, until
+from engines import coordinator, device, digit_shards, he_key_dirs, slowed, until
 from fedsdk.client.saved import load_model
 from fedsdk.hekeys import load_he
-from fedsdk.model.data import load_digits, partition_iid
-from fedsdk.protocol import Task
 from fedsdk_coordinator.rounds import RoundConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -40,25 +36,12 @@ def _need_mosquitto() -> None:
     require_mosquitto()
 
 
-def slow(client: Any) -> None:
-    """The device takes ``TRAIN_DELAY_S`` more to train: rounds last long enough to join between them."""
-    fit = client._fit
-
-    def slow_fit(task: Task, base: list[np.ndarray], fit: Any = fit) -> Any:
-        time.sleep(TRAIN_DELAY_S)  # in the executor
-        return fit(task, base)
-
-    client._fit = slow_fit
-
-
 @pytest.mark.parametrize("who", ["new", "restarted", "stale"])
 async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     tmp_path: Path, broker: MosquittoProcess, who: str
 ) -> None:
     public, secret = he_key_dirs(tmp_path)
-    digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, 3, seed=0)
-    shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
+    shards = digit_shards(3)
     rounds = RoundConfig(
         federation=f"relay{who}", strategy="fedsdk", rounds=5, min_clients=2,
         start_clients=2 if who == "new" else 3,
@@ -67,13 +50,13 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
         first = [device(broker, engine, f"d{i}", shards[i], he=load_he(secret)) for i in range(2)]
         for d in first:
-            slow(d)
+            slowed(d, TRAIN_DELAY_S)
         async with first[0], first[1]:
             runs = [asyncio.create_task(d.run(timeout=120)) for d in first]
             kept = tmp_path / "d2-state" if who == "stale" else None
             if who != "new":  # a third device takes part from round 1, then its process stops
                 third = device(broker, engine, "d2", shards[2], he=load_he(secret), state_dir=kept)
-                slow(third)
+                slowed(third, TRAIN_DELAY_S)
                 async with third:
                     gone = asyncio.create_task(third.run(timeout=120))
                     await until(lambda: engine.completed_round >= 2, "round 2")
@@ -85,7 +68,7 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
             # without a model (new, restarted), or with round 2's model from its state directory (stale)
             late = device(broker, engine, "d2", shards[2], he=load_he(secret), state_dir=kept)
             assert late.weights is None if kept is None else late._device.model_round == 2
-            slow(late)
+            slowed(late, TRAIN_DELAY_S)
             async with late:
                 summary = await asyncio.wait_for(late.run(timeout=120), 130)
             summaries = await asyncio.gather(*runs)

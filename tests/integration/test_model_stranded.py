@@ -12,19 +12,15 @@ holds round 2's model: d0 comes back with it, it is relayed to the new device, a
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import coordinator, device, he_key_dirs, until
+from engines import coordinator, device, digit_shards, he_key_dirs, slowed, until
 from fedsdk.client.saved import load_model
 from fedsdk.hekeys import load_he
-from fedsdk.model.data import load_digits, partition_iid
-from fedsdk.protocol import Task
 from fedsdk_coordinator.rounds import RoundConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -35,26 +31,11 @@ def _need_mosquitto() -> None:
     require_mosquitto()
 
 
-def recording(client: Any, bases: dict[int, list[np.ndarray]]) -> None:
-    """The device takes 0.5 s more to train (rounds last long enough to stop it in one) and records the
-    model each round trains from."""
-    fit = client._fit
-
-    def slow_fit(task: Task, base: list[np.ndarray], fit: Any = fit) -> Any:
-        bases[task.round_id] = [np.array(w, copy=True) for w in base]
-        time.sleep(0.5)  # in the executor
-        return fit(task, base)
-
-    client._fit = slow_fit
-
-
 async def test_a_round_waits_for_a_holder_of_the_newest_model_instead_of_starting_over(
     tmp_path: Path, broker: MosquittoProcess
 ) -> None:
     public, secret = he_key_dirs(tmp_path)
-    digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, 2, seed=0)
-    shards = [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]
+    shards = digit_shards(2)
     rounds = RoundConfig(
         federation="stranded", strategy="fedsdk", rounds=4, min_clients=1, start_clients=1,
         deadline_s=20.0, seed=1, clustering=False, farewell_s=5.0, join_timeout_s=60.0,
@@ -68,7 +49,7 @@ async def test_a_round_waits_for_a_holder_of_the_newest_model_instead_of_startin
     async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
         first_bases: dict[int, list[np.ndarray]] = {}
         first = device(broker, engine, "d0", shards[0], he=load_he(secret), state_dir=kept)
-        recording(first, first_bases)
+        slowed(first, 0.5, first_bases)
         async with first:
             gone = asyncio.create_task(first.run(timeout=120))
             await until(lambda: engine.completed_round >= 2 and on_disk() == 2, "round 2 kept by d0")
@@ -79,10 +60,10 @@ async def test_a_round_waits_for_a_holder_of_the_newest_model_instead_of_startin
 
         new_bases: dict[int, list[np.ndarray]] = {}
         new = device(broker, engine, "d1", shards[1], he=load_he(secret))
-        recording(new, new_bases)
+        slowed(new, 0.5, new_bases)
         back_bases: dict[int, list[np.ndarray]] = {}
         back = device(broker, engine, "d0", shards[0], he=load_he(secret), state_dir=kept)
-        recording(back, back_bases)
+        slowed(back, 0.5, back_bases)
         async with new:
             run_new = asyncio.create_task(new.run(timeout=120))
             await until(lambda: "d1" in engine.online, "d1 online")
