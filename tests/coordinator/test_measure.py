@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from fedsdk.crypto import HEBackend
 from fedsdk.protocol import Update
 from fedsdk_coordinator.engine.config import RoundConfig
-from fedsdk_coordinator.engine.measure import RECENT, Measured, record_update
+from fedsdk_coordinator.engine.measure import RECENT, Measured, record_slack, record_update
 from fedsdk_coordinator.engine.planning import plan_rounds
 from fedsdk_coordinator.strategies import strategy
 
@@ -68,6 +68,17 @@ def test_a_figure_is_the_median_of_its_last_observations(values: list[float]) ->
     if len(last) == RECENT:
         inner = sorted(last)[1:-1]
         assert inner[0] <= m.train_s <= inner[-1]
+
+
+def test_how_early_updates_arrive_is_a_fraction_of_the_last_ones_time() -> None:
+    measured: dict[str, Measured] = {}
+    record_slack(measured, {"a": 0.2, "b": 0.5, "c": 0.8})
+    assert {c: m.slack for c, m in measured.items()} == pytest.approx({"a": 0.75, "b": 0.375, "c": 0.0})
+    record_slack(measured, {"a": 0.4})  # one update: nobody to be early against
+    record_slack(measured, {"a": 0.0, "b": 0.0})  # no time measured
+    assert measured["a"].recent["slack"] == [pytest.approx(0.75)]
+    back = Measured.from_dict(json.loads(json.dumps(measured["a"].as_dict())))
+    assert back == measured["a"]
 
 
 def test_the_figures_and_their_observations_survive_the_store() -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from fedsdk.coop import part_ranks
 from fedsdk.errors import FedError
 from fedsdk.protocol import Error
+from fedsdk_coordinator.engine.measure import record_slack
 from fedsdk_coordinator.engine.state import RoundState, wait, wait_with_grace
 from fedsdk_coordinator.evaluation import describe_evaluation, federated_metrics
 from fedsdk_coordinator.failpoints import reached
@@ -42,6 +43,8 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
     reached("tasks_sent", round_id)
     quorum = min(c.min_clients, len(rnd.participants))
     valid = await _collect(e, rnd, quorum)
+    if not rnd.participants - set(rnd.replies):  # every participant replied: who was late is measured
+        record_slack(e.measured, rnd.reply_s)
     base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
     base["declined"] = len(rnd.declined)  # devices whose run conditions did not hold (not failures)
     if len(valid) < quorum:

@@ -263,6 +263,7 @@ class Inbound:
         if isinstance(msg, Error):
             self._failed(rnd.round_id, rnd.cluster_id, client_id, msg)
         else:
+            rnd.reply_s[client_id] = metrics["reply_s"]
             self.measure(client_id, msg)
             e.strategy.accepted(msg, rnd, client_id)
         rnd.check_done()

@@ -16,6 +16,7 @@ rounds (the running mean was then still an eighth of the step short).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from fedsdk.crypto import HEBackend
 from fedsdk.protocol import EncryptedUpdate, Report, Update
 from fedsdk_coordinator.budgets import DeviceCapacity
 
-__all__ = ["RECENT", "Measured", "capacity", "record_report", "record_update"]
+__all__ = ["RECENT", "Measured", "capacity", "record_report", "record_slack", "record_update"]
 
 RECENT = 5  # observations a measured figure is the median of
 
@@ -40,6 +41,9 @@ class Measured:
     warm_values_per_s: float | None = None  # encryption throughput with every obfuscator from the pool
     decrypt_values_per_s: float | None = None  # of an aggregate's union (key mode shared), from reports
     select_s: float | None = None  # most seen for sensitivity + mask solver + leakage check (budget < 1)
+    # how early its update arrives: (last update's arrival - its own) / last update's arrival, both timed
+    # from the round's tasks, in rounds every participant replied to (record_slack; coop.py)
+    slack: float | None = None
     recent: dict[str, list[float]] = field(default_factory=dict)  # the last observations, per figure
 
     def observe(self, name: str, value: float) -> None:
@@ -92,6 +96,20 @@ def record_update(m: Measured, msg: Update | EncryptedUpdate, he: HEBackend | No
         elif encrypted > 0:  # all from the pool: the warm cost, and what the pool could give
             m.observe("warm_values_per_s", encrypted * he.pack_size / enc_s)
         m.pool_values = int(msg.metrics.get("pool_ready", 0.0)) * he.pack_size
+
+
+def record_slack(measured: dict[str, Measured], reply_s: Mapping[str, float]) -> None:
+    """Learn how early each device's update arrives in a round (:attr:`Measured.slack`) from ``reply_s``,
+    the seconds from the round's tasks to each update's arrival. Only for a round every participant
+    replied to and with at least two updates: in a round the deadline cut, the last update is not the
+    slowest device's."""
+    if len(reply_s) < 2:
+        return
+    last = max(reply_s.values())
+    if last <= 0:
+        return
+    for cid, t in reply_s.items():
+        measured.setdefault(cid, Measured()).observe("slack", (last - t) / last)
 
 
 def record_report(

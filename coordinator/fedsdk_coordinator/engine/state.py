@@ -27,6 +27,7 @@ class RoundState:
     phase: str = "train"
     replies: dict[str, BaseMessage] = field(default_factory=dict)
     raw: dict[str, bytes] = field(default_factory=dict)  # the envelopes of the replies, as received
+    reply_s: dict[str, float] = field(default_factory=dict)  # when each update arrived, s after sent_at
     reports: dict[str, Report] = field(default_factory=dict)
     tasked: set[str] = field(default_factory=set)  # sent the task since their last hello
     collecting: bool = True  # still taking replies (False once aggregation starts)

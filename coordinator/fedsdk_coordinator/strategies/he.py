@@ -71,11 +71,13 @@ class HEStrategy(Strategy):
             return {}
         speeds: dict[str, float | None] = {}
         train_s: dict[str, float] = {}
+        slack: dict[str, float | None] = {}
         for cid in plan.members:
             m = plan.measured.get(cid) or Measured()
             speeds[cid] = m.decrypt_values_per_s or m.he_values_per_s
             train_s[cid] = m.train_s
-        return share_split(speeds, late=last_to_finish(train_s))
+            slack[cid] = m.slack
+        return share_split(speeds, late=last_to_finish(train_s, slack))
 
     def task_options(self, cluster_id: int, phase: str) -> dict[str, Any]:
         out = super().task_options(cluster_id, phase)

@@ -107,6 +107,19 @@ def test_at_most_a_quarter_of_the_devices_and_the_slowest_get_no_part(trains: li
     assert not late or max(others, default=0.0) <= min(times[c] for c in late)  # the slowest first
 
 
+@given(st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 1.0)), min_size=1, max_size=40))
+def test_with_measured_slack_at_most_a_quarter_whose_updates_arrive_last_get_no_part(
+    figures: list[tuple[float, float]],
+) -> None:
+    trains = {f"d{i:02d}": t for i, (t, _) in enumerate(figures)}
+    slack: dict[str, float | None] = {f"d{i:02d}": s for i, (_, s) in enumerate(figures)}
+    late = last_to_finish(trains, slack)
+    assert len(late) <= len(trains) // 4
+    assert all(slack[c] < 0.1 for c in late)  # type: ignore[operator]
+    others = [slack[c] for c in slack if c not in late and slack[c] < 0.1]  # type: ignore[operator]
+    assert not others or not late or min(others) >= max(slack[c] for c in late)  # type: ignore[type-var]
+
+
 def test_no_or_bad_fractions_mean_no_share() -> None:
     assert share_ranks({}, 10) is None
     assert share_ranks({"share_lo": 0.5, "share_hi": 0.2}, 10) is None
