@@ -23,9 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing
 from collections.abc import AsyncIterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from fedsdk.crypto import HEBackend
+from fedsdk.crypto.parallel import process_pool
 from fedsdk.errors import ConfigError, StateError, TrainingError, TransportClosed
 from fedsdk.hekeys import load_he
 from fedsdk.model import OnnxModel
@@ -164,12 +163,9 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
         await transport_box[0].publish(topic, payload, retain=retain)
 
     he = load_public_he(cfg.he_dir)
-    # Ciphertext sums run in worker processes (forkserver: safe beside paho's thread), never on the loop.
-    executor = (
-        ProcessPoolExecutor(max_workers=cfg.workers, mp_context=multiprocessing.get_context("forkserver"))
-        if he is not None
-        else None
-    )
+    # Ciphertext sums run in worker processes (forkserver: safe beside paho's thread), never on the loop;
+    # they end with the coordinator even when it is killed outright.
+    executor = process_pool(cfg.workers) if he is not None else None
     engine = RoundEngine(
         cfg.rounds,
         store=app[STORE],

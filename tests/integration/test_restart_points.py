@@ -18,16 +18,19 @@ comparable bit for bit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from brokers import free_port, require_mosquitto, start_mosquitto
@@ -60,6 +63,34 @@ def device_data() -> dict[str, tuple[np.ndarray, np.ndarray]]:
     }
 
 
+TAG = "FEDSDK_TEST_COORDINATOR"
+
+
+def left_behind(tag: str, timeout: float) -> list[str]:
+    """The live processes whose environment carries ``TAG=tag`` (a coordinator and what it started), once
+    none are left or after ``timeout`` seconds; those still there are killed so that no test leaks them."""
+
+    def tagged() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(TAG) == tag:
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    deadline = time.monotonic() + timeout
+    while (found := tagged()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    described = []
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            described.append(f"{p.pid}: {' '.join(p.cmdline())[:160]}")
+            p.kill()
+    return described
+
+
 @dataclass
 class Outcome:
     kills: list[int]  # exit codes of the coordinator processes that hit their crash point
@@ -86,6 +117,7 @@ async def federate(
         def coordinator(i: int, point: str | None) -> subprocess.Popen[bytes]:
             env = dict(os.environ)
             env.pop("FEDSDK_FAILPOINT", None)
+            env[TAG] = f"{fed}-{i}"  # inherited by every process the coordinator starts
             if point:
                 env["FEDSDK_FAILPOINT"] = point
             cmd = [
@@ -125,6 +157,8 @@ async def federate(
                 if point is not None:
                     assert code == -signal.SIGKILL, f"{point}: exit {code}, no crash there\n{log[-3000:]}"
                     kills.append(code)
+                    left = await asyncio.to_thread(left_behind, f"{fed}-{i}", 15.0)
+                    assert not left, f"{point}: the killed coordinator left processes behind: {left}"
                 else:
                     assert code == 0, log[-3000:]
             summaries = dict(zip(clients, await asyncio.wait_for(asyncio.gather(*runs), 120), strict=True))

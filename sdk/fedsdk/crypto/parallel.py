@@ -15,8 +15,10 @@ platforms without working process pools (Android/Termux lacks ``sem_open``) the 
 we fall back to computing in the calling process, once, with the reason kept in :attr:`unavailable`.
 Worker processes start with ``forkserver`` (``spawn`` where it is missing), never ``fork`` (the device
 runs threads: MQTT, the pool); like any such pool this needs the ``if __name__ == "__main__":`` guard in
-a script that uses it. The factory sent to the workers carries the secret primes in ``shared`` key mode:
-they stay on the device, in its own processes.
+a script that uses it. Workers end when the process that started them dies (:func:`exit_with_parent`), so
+a device killed outright (the OOM killer, Android's low-memory killer, ``kill -9``) leaves none behind.
+The factory sent to the workers carries the secret primes in ``shared`` key mode: they stay on the
+device, in its own processes.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ import concurrent.futures as cf
 import functools
 import multiprocessing
 import os
+import threading
 import time
+from multiprocessing.connection import wait
 from typing import Any
 
 from phe import paillier as phe_paillier
 
 from fedsdk.crypto.obfuscator import Obfuscator, ObfuscatorFactory
 
-__all__ = ["ParallelPaillier", "usable_cores"]
+__all__ = ["ParallelPaillier", "exit_with_parent", "process_pool", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -41,6 +45,36 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def exit_with_parent() -> None:
+    """Worker initializer: end this process when the process that started it dies.
+
+    A ``ProcessPoolExecutor`` worker waits for work on its call queue, whose pipe it holds both ends of (the
+    queue reaches it pickled whole), so it never reads end-of-file: when its parent is killed without a
+    shutdown (SIGKILL, an OOM killer) the worker, and the forkserver that forked it, stay for good, holding
+    their memory. ``multiprocessing.parent_process().sentinel`` becomes ready when the parent is gone (the
+    read end of a pipe whose write end only the parent holds, or its process handle on Windows); a daemon
+    thread waits on it and ends the worker. Nothing to do in a process that has no multiprocessing parent.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)  # the parent is gone: nobody waits for a result or a clean exit
+
+    threading.Thread(target=watch, name="fedsdk-exit-with-parent", daemon=True).start()
+
+
+def process_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """A process pool of ``workers`` processes started with ``forkserver`` (``spawn`` where it is missing),
+    never ``fork`` (the caller runs threads: MQTT, the obfuscator pool), that end when this process dies
+    (:func:`exit_with_parent`)."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=exit_with_parent)
 
 
 def _make_chunk(factory: ObfuscatorFactory, count: int) -> list[tuple[int, int, Any]]:
@@ -81,11 +115,9 @@ class ParallelPaillier:
 
     def _ensure_executor(self) -> cf.ProcessPoolExecutor | None:
         if self._executor is None and self.unavailable is None:
-            methods = multiprocessing.get_all_start_methods()
-            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             t0 = time.perf_counter()
             try:
-                ex = cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+                ex = process_pool(self.workers)
                 for fut in [ex.submit(int, 0) for _ in range(self.workers)]:
                     fut.result(timeout=60)  # start the workers now, to measure start-up
             except (ImportError, NotImplementedError, OSError, cf.process.BrokenProcessPool) as exc:
