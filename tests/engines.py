@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend, generate_backend
 from fedsdk.hekeys import load_he, save_he
+from fedsdk.model.data import load_digits, partition_iid
 from fedsdk_coordinator.app import ENGINE, CoordinatorConfig, create_app
 from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
@@ -115,8 +116,6 @@ def he_key_dirs(tmp_path: Path, key_bits: int = 1024) -> tuple[Path, Path]:
 
 def digit_shards(n: int, seed: int = 0) -> list[tuple[Any, Any]]:
     """The digits' training set split IID into ``n`` shards ``(x, y)``."""
-    from fedsdk.model.data import load_digits, partition_iid
-
     digits = load_digits(shape="flat")
     part = partition_iid(digits.y_train, n, seed=seed)
     return [(digits.x_train[idx], digits.y_train[idx]) for idx in part.indices]

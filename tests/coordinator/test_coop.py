@@ -4,16 +4,21 @@ tests/coordinator/test_handler_fuzz.py, devices in tests/sdk/test_client_coop.py
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engines import make_engine, until
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError
-from fedsdk.protocol import Task, decode
+from fedsdk.protocol import Hello, Report, Task, Update, decode, encode
+from fedsdk.protocol import topics as T
+from fedsdk_coordinator.engine.cluster import run_cluster_round
 from fedsdk_coordinator.engine.measure import Measured
+from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies import ClusterPlan
 
 
@@ -107,15 +112,6 @@ def test_the_devices_whose_updates_arrive_last_get_no_part(
 
 
 async def test_a_round_every_device_replied_to_measures_how_early_each_update_arrived(tmp_path: Path) -> None:
-    import asyncio
-
-    import numpy as np
-
-    from fedsdk.protocol import Hello, Report, Update, encode
-    from fedsdk.protocol import topics as T
-    from fedsdk_coordinator.engine.cluster import run_cluster_round
-    from fedsdk_coordinator.engine.state import RoundState
-
     e = make_engine(tmp_path, None, strategy="plaintext", min_clients=2, report_timeout_s=5.0, deadline_s=1.0)
 
     def say(cid: str, kind: str, msg: object) -> None:
