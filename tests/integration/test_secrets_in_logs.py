@@ -95,12 +95,21 @@ def paillier_needles(he_dir: Path) -> dict[str, bytes]:
 def tls_needles(key_file: Path) -> dict[str, bytes]:
     """A PEM private key's body lines, its DER bytes and (EC keys) its private scalar."""
     pem = key_file.read_bytes()
+    key = serialization.load_pem_private_key(pem, password=None)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     body = [ln for ln in pem.splitlines() if ln and not ln.startswith(b"-----")]
-    out = {f"{key_file.name} line {i}": ln for i, ln in enumerate(body) if len(ln) >= 20}
+    # A PKCS#8 EC key ends with its public point: a body line (48 whole bytes) made only of it is public
+    # and turns up in the key's certificate whenever the certificate's base64 happens to align with it.
+    out = {
+        f"{key_file.name} line {i}": ln
+        for i, ln in enumerate(body)
+        if len(ln) >= 20 and base64.b64decode(ln) not in public
+    }
     der = base64.b64decode(b"".join(body))
     out[f"{key_file.name} der"] = der
     out[f"{key_file.name} der hex"] = der.hex().encode()
-    key = serialization.load_pem_private_key(pem, password=None)
     if isinstance(key, ec.EllipticCurvePrivateKey):
         out.update(_int_forms(f"{key_file.name} scalar", key.private_numbers().private_value))
     return out
@@ -293,4 +302,16 @@ def test_search_finds_planted_secrets_and_spares_public_material(tmp_path: Path)
         "public key file": (he_dir / "he_public.bin").read_bytes(),
         "certificates": b"".join(p.read_bytes() for p in (tmp_path / "pki").glob("*.pem")),
     }
+    for key_file in sorted((tmp_path / "pki").glob("*.key")):
+        # The public key at every byte offset of a 64-column base64 text, as a certificate may place it.
+        spki = (
+            serialization.load_pem_private_key(key_file.read_bytes(), None)
+            .public_key()
+            .public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
+        for pad in range(48):
+            text = base64.b64encode(bytes(pad) + spki)
+            public[f"{key_file.stem} public key at {pad}"] = b"\n".join(
+                text[i : i + 64] for i in range(0, len(text), 64)
+            )
     assert find_leaks(public, needles) == []
