@@ -28,7 +28,6 @@ copy across file systems), and ``add-device`` gives a new kit the same bundle.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -134,17 +133,14 @@ def _skip(root: Path) -> Callable[[str, list[str]], set[str]]:
 
 
 def _can_build_here() -> bool:
-    """Whether this environment has what pyproject.toml's build-system requires: setuptools >= 68 and
-    ``bdist_wheel`` (the ``wheel`` package, or setuptools >= 70.1, which carries it)."""
+    """Whether this environment has what pyproject.toml's build-system requires: setuptools >= 77 (an SPDX
+    ``project.license``; it carries ``bdist_wheel`` too)."""
     try:
         import setuptools
     except ImportError:
         return False
     parts = [int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit()]
-    version = [*parts, 0, 0][:2]
-    if version < [68, 0]:
-        return False
-    return importlib.util.find_spec("wheel") is not None or version >= [70, 1]
+    return [*parts, 0, 0][:2] >= [77, 0]
 
 
 def build_fedsdk_wheel(out: Path) -> Path:
