@@ -17,7 +17,7 @@ from fedsdk.errors import ValidationError
 from fedsdk.protocol import Hello, ModelRequest, SealedModel, decode, encode
 from fedsdk.protocol import topics as T
 from fedsdk_coordinator.engine import relay
-from fedsdk_coordinator.engine.relay import ModelRelays, without_lacking
+from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, without_lacking
 from fedsdk_coordinator.rounds import RoundConfig
 
 
@@ -123,6 +123,7 @@ async def test_a_plan_waits_for_a_first_relay_only(
     holds one plan up for at most the relay wait, not every plan after it."""
     monkeypatch.setattr(relay, "RELAY_WAIT_S", 1.0)
     e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    e.relays.published(0, 3)  # rounds 1-3 were aggregated
     for cid, held in (("a", 3), ("b", -1)):
         e.handle(
             T.up(e.config.federation, cid, T.HELLO), encode(Hello(cid, 10, "0.1.0", {"model_round": held}))
@@ -224,3 +225,39 @@ async def test_a_holder_back_within_the_wait_ends_it_and_nothing_is_lost(
     t0 = time.monotonic()
     assert sorted(await without_lacking(e, 3)) == ["c"]  # c came back with it; a and b wait for relays
     assert time.monotonic() - t0 < 5.0 + 0.5 and e.health()["model_rounds_lost"] == 0
+
+
+async def test_a_hello_holding_a_round_newer_than_any_aggregated_holds_no_model(
+    tmp_path: Path, public: dict[str, HEBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device's state directory kept a model from an earlier run of a federation of the same name: it is
+    taken as holding none (its task carries the federation's model), and it is no cluster's holder."""
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="fedsdk_coordinator.rounds"):
+        hello(e, "old", 2)  # nothing aggregated yet
+        hello(e, "new", -1)
+    assert e.relays.held == {"old": -1, "new": -1} and "old" not in e.holders
+    assert e.relays.lacking(e.online, cluster_members(e)) == set()
+    told = [r.getMessage() for r in caplog.records if "newer than any round" in r.getMessage()]
+    assert told == [
+        "device old says it holds the model of round 2, newer than any round of this federation: a model "
+        "of an earlier run; it gets the federation's model instead"
+    ]
+    e.relays.published(0, 1)
+    e.relays.published(0, 2)  # the new run's rounds 1-2: now a model of round 2 can be this run's
+    hello(e, "old", 2)
+    assert e.relays.held["old"] == 2 and "old" in e.holders
+    hello(e, "back", 3)
+    assert e.relays.held["back"] == -1
+
+
+@given(newest=st.dictionaries(st.integers(0, 3), st.integers(1, 7)), held=st.integers(-1, 9))
+def test_another_run_is_exactly_a_round_past_every_aggregate_and_only_under_he(
+    newest: dict[int, int], held: int
+) -> None:
+    r, _ = relays()
+    for cluster, rnd in newest.items():
+        r.published(cluster, rnd)
+    assert r.of_another_run(held) == (held > max(newest.values(), default=0))
+    plain, _ = relays(he=False)  # in plaintext the coordinator sends every task its model
+    assert not plain.of_another_run(held)

@@ -112,8 +112,16 @@ class Inbound:
             m.uplink_bytes_per_s = hello.uplink_bytes_per_s
         model_round = facts.get("model_round")  # the SDK says whether it still holds a model
         if isinstance(model_round, int | float) and not isinstance(model_round, bool):
+            model_round = int(model_round)
+            if e.relays.of_another_run(model_round):  # its state directory outlived a run (engine.relay)
+                log.warning(
+                    "device %s says it holds the model of round %d, newer than any round of this federation: "
+                    "a model of an earlier run; it gets the federation's model instead",
+                    client_id, model_round,
+                )  # fmt: skip
+                model_round = -1
             e.set_holder(client_id, model_round >= 0)
-            e.relays.heard(client_id, int(model_round))
+            e.relays.heard(client_id, model_round)
             for rnd in e.open_rounds.values():  # it applied a round whose report a restart lost
                 if model_round >= rnd.round_id and client_id in rnd.replies:
                     rnd.applied.add(client_id)

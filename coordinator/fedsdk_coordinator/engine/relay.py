@@ -34,6 +34,17 @@ Decisions:
   rebuilt from the stored encrypted aggregates (any key holder could decrypt them and add them up): each
   round's aggregate tells a device that did not take part in that round more than the model, their sum,
   does; in a cluster of two or three devices, nearly another device's update of that round.
+* **A model newer than any round aggregated is of another run**: a device's state directory outlives the
+  coordinator's (a service install keeps ``/var/lib/fedsdk``; the operator starts the federation over with
+  a new coordinator state directory under the same name). Such a device said in its hello that it held,
+  say, round 2's model while the new coordinator had aggregated nothing: it was counted as its cluster's
+  holder of the newest model, sealed that model for every other device, and all of them then failed round
+  1 on a model "not from before round 1" (``tests/integration/test_model_of_another_run.py``). Every
+  aggregate is kept before it is published, so no device of this federation can hold a round newer than the
+  newest kept one: a hello that says so is taken as holding no model, with a warning, and the device's task
+  carries the federation's model, which replaces the kept one. Not caught: a kept model of an earlier run
+  whose round equals the newest of the new run (nothing in a hello tells two runs apart; one older than the
+  newest is relayed over or left out as above).
 * **One request at a time** per device, sent again to the then-best holder after :data:`RELAY_WAIT_S`
   (a holder that left, or one whose answer was lost). A plan waits for a device's first request only: a
   relay that failed once does not hold every later round up as well.
@@ -88,6 +99,12 @@ class ModelRelays:
         self.rounds_lost = 0  # rounds of progress given up that way
         self._asked: dict[str, tuple[str, float, int]] = {}  # device -> (holder asked, when, requests sent)
         self.relayed = 0  # sealed models relayed so far
+
+    def of_another_run(self, model_round: int) -> bool:
+        """Whether a model of round ``model_round`` is newer than any round this federation aggregated
+        (also by an earlier instance of the coordinator on the same state directory): a device's state
+        directory kept it from an earlier run of a federation of the same name (module docstring)."""
+        return self.enabled and model_round > max(self.newest.values(), default=0)
 
     def heard(self, client_id: str, model_round: int, *, at_least: bool = False) -> None:
         """A device's hello said it holds ``model_round``'s model (``at_least``: a report showed it
