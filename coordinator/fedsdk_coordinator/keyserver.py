@@ -8,7 +8,13 @@ topic. The coordinator never holds a secret key. With the fleet ACL (``certs/``)
 topics but does not subscribe to them; on a broker without ACLs it could read the decrypted average, which
 is why fleets use mosquitto with the generated ACL.
 
-Each aggregate is decrypted once per (cluster, round): a replay of an older round is counted and dropped.
+Each aggregate is decrypted once per (cluster, round) of a run of the federation: a replay of an older round
+is counted and dropped. The coordinator tags each aggregate with its run (``metrics["run"]``, kept with its
+state directory), and the decrypted one carries the tag on to the devices. An aggregate of another run than
+the last one decrypted starts the count again (logged): a federation started over under the same name (a
+new coordinator state directory) numbers its rounds from 1 again, and this key server, long-running or
+handed the earlier run's retained aggregate when it subscribed, used to refuse them up to the earlier run's
+last round. Not a bound on a dishonest coordinator, which numbers the rounds anyway.
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ __all__ = ["KeyServer"]
 log = logging.getLogger(__name__)
 
 
+def run_of(msg: EncryptedAggregate) -> dict[str, float]:
+    """The run tag of ``msg``, for the decrypted aggregate's metrics (empty when untagged)."""
+    run = msg.metrics.get("run")
+    return {} if run is None else {"run": float(run)}
+
+
 class KeyServer:
     """Decrypts cluster aggregates for one federation. Owns nothing but its transport's messages."""
 
@@ -41,7 +53,8 @@ class KeyServer:
         self.he = he
         self.federation = federation
         self.rejected = RejectCounter()
-        self.decrypted: dict[int, int] = {}  # cluster -> last round decrypted
+        self.decrypted: dict[int, int] = {}  # cluster -> last round decrypted, of run ``self.run_tag``
+        self.run_tag: float | None = None  # the run of the last tagged aggregate seen
 
     def _decrypt(self, msg: EncryptedAggregate) -> bytes:
         t0 = time.perf_counter()
@@ -52,7 +65,7 @@ class KeyServer:
             weights=(np.asarray(flat, dtype=np.float32),),
             num_clients=msg.n_devices,
             total_samples=msg.total_samples,
-            metrics={"decrypt_s": time.perf_counter() - t0},
+            metrics={"decrypt_s": time.perf_counter() - t0, **run_of(msg)},
             kind="delta",
         )
         return encode(out)
@@ -67,6 +80,12 @@ class KeyServer:
                 raise ValidationError("wrong_kind", f"{type(msg).__name__} on a key-server topic")
             if topic != T.keyserver(self.federation, msg.cluster_id):
                 raise ValidationError("bad_topic", "aggregate of another cluster or federation")
+            run = msg.metrics.get("run")
+            if run is not None and run != self.run_tag:
+                if self.decrypted:
+                    log.info("an aggregate of another run of %s: rounds counted again", self.federation)
+                self.decrypted.clear()
+                self.run_tag = run
             if msg.round_id <= self.decrypted.get(msg.cluster_id, 0):
                 raise ValidationError(
                     "stale_round", f"round {msg.round_id} of cluster {msg.cluster_id} again"

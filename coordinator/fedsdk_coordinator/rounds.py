@@ -91,6 +91,7 @@ class RoundEngine(FederationState):
         self.store, self.bundle, self.publish, self.executor = store, bundle, publish, executor
         self.eval_data, self._eval_model = eval_data, OnnxModel.from_bundle(bundle)
         self.epoch = uuid.uuid4().hex[:12]
+        self.run_tag = store.run_tag()  # kept with the state directory: tasks and aggregates carry it
         self.finished = asyncio.Event()
         self.outbox = Outbox(lambda: self.publish)  # what inbound handlers decide to send
         self.relays = ModelRelays(config, self.outbox.post, he=self.he is not None, store=store)
@@ -155,7 +156,7 @@ class RoundEngine(FederationState):
         task = make_task(
             self.config, self.strategy, self.bundle, round_id=round_id, cluster_id=cluster_id,
             client_id=client_id, phase=phase, budget=budget, weights=weights,
-            planned=self.open_rounds.get(cluster_id),
+            planned=self.open_rounds.get(cluster_id), run=self.run_tag,
         )  # fmt: skip
         if weights is not None and phase == "train":
             self.set_holder(client_id, True)

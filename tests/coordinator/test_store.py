@@ -44,3 +44,21 @@ def test_array_blobs_refuse_pickles() -> None:
     np.savez(buf, np.array([{"x": 1}], dtype=object))
     with pytest.raises(ValueError):
         unpack_arrays(buf.getvalue())
+
+
+def test_the_run_tag_is_kept_with_the_state_directory(tmp_path: Path) -> None:
+    """A coordinator resumed on its state directory keeps its run; one on a new directory has another."""
+    first = Store(tmp_path / "a.sqlite")
+    tag = first.run_tag()
+    assert 0 < tag < 2**52 and first.run_tag() == tag
+    assert float(tag) == tag  # aggregate metrics carry it as a float
+    first.close()
+    again = Store(tmp_path / "a.sqlite")
+    assert again.run_tag() == tag
+    again.close()
+    others = set()
+    for i in range(4):
+        other = Store(tmp_path / f"new{i}.sqlite")
+        others.add(other.run_tag())
+        other.close()
+    assert tag not in others and len(others) == 4

@@ -108,7 +108,7 @@ async def _aggregate(e: RoundEngine, rnd: RoundState, valid: list[Any]) -> Aggre
     share a part of its union and when the coordinator stops waiting for them (coop.py)."""
     current = e.models.get(rnd.cluster_id, e.initial)
     evaluate = e.evaluate if e.eval_data is not None else None
-    agg = await e.strategy.aggregate(rnd, valid, AggregationInputs(current, e.executor, evaluate))
+    agg = await e.strategy.aggregate(rnd, valid, AggregationInputs(current, e.executor, evaluate, e.run_tag))
     if agg.weights is None:
         e.store.save_encrypted(rnd.cluster_id, rnd.round_id, agg.envelope)
         e.relays.published(rnd.cluster_id, rnd.round_id)

@@ -35,9 +35,12 @@ def make_task(
     budget: float,
     weights: Sequence[np.ndarray] | None,
     planned: RoundState | None,
+    run: int = 0,
 ) -> Task:
     """``client_id``'s task; ``weights`` is the model to start from (``None``: the device holds it) and
-    ``planned`` the cluster's open round, whose per-device parts go into the task of that round only."""
+    ``planned`` the cluster's open round, whose per-device parts go into the task of that round only.
+    ``run``: the run of the federation (:meth:`Store.run_tag`); a device applies only an aggregate of its
+    task's run (a retained aggregate of an earlier run of the same federation name is not one)."""
     config: dict[str, Any] = {
         "phase": phase,
         "lr": c.lr,
@@ -65,6 +68,8 @@ def make_task(
         "key_mode": c.key_mode,
         "rounds": c.rounds,  # the federation's last round (devices stop waiting once they applied it)
     }
+    if run:
+        config["run"] = run
     config.update(strategy.task_options(cluster_id, phase))
     this_round = phase == "train" and planned is not None and planned.round_id == round_id
     if this_round and planned is not None and planned.weight_unit > 1:

@@ -8,6 +8,7 @@ and :meth:`StoreBase._tx`.
 from __future__ import annotations
 
 import json
+import secrets
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,6 +151,17 @@ class StoreBase:
 
     def set_meta(self, key: str, value: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def run_tag(self) -> int:
+        """This state directory's run of the federation: a random 52-bit number made when the store is new
+        and kept with it, so that a coordinator resumed on the same state directory keeps it and one started
+        on a new directory (the federation started over under the same name) has another. A float carries it
+        exactly (aggregate metrics are floats)."""
+        raw = self.get_meta("run")
+        if raw is None:
+            raw = str(secrets.randbits(52) or 1)
+            self.set_meta("run", raw)
+        return int(raw)
 
     def get_json(self, key: str) -> Any:
         """A meta value stored with :meth:`set_json`, or None."""

@@ -66,6 +66,11 @@ class AggregationInputs:
     current: list[np.ndarray]
     executor: Executor | None = None
     evaluate: Callable[[list[np.ndarray]], dict[str, float]] | None = None
+    run: int = 0  # the federation's run (Store.run_tag): the aggregate message carries it
+
+    def tag(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The aggregate message's metrics: ``metrics`` and the run."""
+        return {**metrics, "run": float(self.run)} if self.run else dict(metrics)
 
 
 @dataclass(frozen=True)

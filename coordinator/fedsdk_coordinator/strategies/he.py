@@ -179,7 +179,11 @@ class HEStrategy(Strategy):
             metrics.update(self._vote(rnd.cluster_id, [np.asarray(u.pack_mask, dtype=bool) for u in ordered]))
         total = sum(u.num_samples for u in ordered)
         msg = pipeline.message_from_he_aggregate(
-            he_agg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, total_samples=total, metrics={}
+            he_agg,
+            round_id=rnd.round_id,
+            cluster_id=rnd.cluster_id,
+            total_samples=total,
+            metrics=inputs.tag({}),
         )
         return Aggregated(encode(msg), len(ordered), total, metrics=metrics)
 

@@ -44,6 +44,6 @@ class FedAvg(Strategy):
             weights=tuple(new),
             num_clients=result.num_clients,
             total_samples=result.total_samples,
-            metrics=metrics,
+            metrics=inputs.tag(metrics),
         )
         return Aggregated(encode(agg), result.num_clients, result.total_samples, weights=new, metrics=metrics)

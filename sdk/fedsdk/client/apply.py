@@ -40,10 +40,10 @@ from fedsdk.client.state import DeviceState, Pending, model_input
 from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.errors import CryptoError, FedError, TransportClosed, TransportError, ValidationError
 from fedsdk.personal import personalise
-from fedsdk.protocol import Aggregate, EncryptedAggregate, Report
+from fedsdk.protocol import Aggregate, EncryptedAggregate, Report, Task
 from fedsdk.protocol import topics as T
 
-__all__ = ["Aggregates", "ApplySteps"]
+__all__ = ["Aggregates", "ApplySteps", "same_run"]
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("fedsdk.progress")  # one line per round; the CLI shows it by default
@@ -59,6 +59,16 @@ class ApplySteps(NamedTuple):
     publish: Publish
     personalise: Callable[[Pending], dict[str, float]] | None = None  # fine-tune and choose: metrics
     keep: Callable[[Pending], None] | None = None  # write the model now held to disk (client/saved.py)
+
+
+def same_run(task: Task, agg: AnyAggregate) -> bool:
+    """Whether ``agg`` belongs to the run of the federation ``task`` came from. The coordinator tags both
+    with its run (``config["run"]``, ``metrics["run"]``: a random number kept with its state directory);
+    the broker keeps each cluster's last aggregate, so a federation started over under the same name meets
+    the earlier run's, whose round may be the one a device waits for. An untagged task (an older
+    coordinator) takes any aggregate."""
+    run = task.config.get("run")
+    return run is None or agg.metrics.get("run") == float(run)
 
 
 class Aggregates:
@@ -180,6 +190,13 @@ class Aggregates:
             or agg.cluster_id != pending.task.cluster_id
         ):
             device.rejected.add("stale_round")
+            return
+        if not same_run(pending.task, agg):
+            device.rejected.add("other_run")
+            log.warning(
+                "round %d: an aggregate of another run of the federation (a retained copy?) is not applied",
+                agg.round_id,
+            )
             return
         pending.applying = True
         loop = asyncio.get_running_loop()
