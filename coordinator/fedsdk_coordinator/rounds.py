@@ -90,8 +90,7 @@ class RoundEngine(FederationState):
         self.he, self.clustered = self.strategy.he, self.strategy.clustered
         self.store, self.bundle, self.publish, self.executor = store, bundle, publish, executor
         self.eval_data, self._eval_model = eval_data, OnnxModel.from_bundle(bundle)
-        self.epoch = uuid.uuid4().hex[:12]
-        self.run_tag = store.run_tag()  # kept with the state directory: tasks and aggregates carry it
+        self.epoch, self.run_tag = uuid.uuid4().hex[:12], store.run_tag()  # kept with the state directory
         self.finished = asyncio.Event()
         self.outbox = Outbox(lambda: self.publish)  # what inbound handlers decide to send
         self.relays = ModelRelays(config, self.outbox.post, he=self.he is not None, store=store)

@@ -238,10 +238,10 @@ async def test_a_hello_holding_a_round_newer_than_any_aggregated_holds_no_model(
         hello(e, "new", -1)
     assert e.relays.held == {"old": -1, "new": -1} and "old" not in e.holders
     assert e.relays.lacking(e.online, cluster_members(e)) == set()
-    told = [r.getMessage() for r in caplog.records if "newer than any round" in r.getMessage()]
+    told = [r.getMessage() for r in caplog.records if "of an earlier run" in r.getMessage()]
     assert told == [
-        "device old says it holds the model of round 2, newer than any round of this federation: a model "
-        "of an earlier run; it gets the federation's model instead"
+        "device old says it holds the model of round 2, of an earlier run of this federation: it gets the "
+        "federation's model instead"
     ]
     e.relays.published(0, 1)
     e.relays.published(0, 2)  # the new run's rounds 1-2: now a model of round 2 can be this run's
@@ -261,3 +261,24 @@ def test_another_run_is_exactly_a_round_past_every_aggregate_and_only_under_he(
     assert r.of_another_run(held) == (held > max(newest.values(), default=0))
     plain, _ = relays(he=False)  # in plaintext the coordinator sends every task its model
     assert not plain.of_another_run(held)
+
+
+def test_a_hello_naming_another_run_holds_no_model_whatever_its_round(
+    tmp_path: Path, public: dict[str, HEBackend]
+) -> None:
+    """A device that says which run its model is of: one of another run holds no model, also when its round
+    is one this run aggregated; one of this run, or one that does not say, keeps the round rule."""
+    e = make_engine(tmp_path, public["packed"], strategy="fedsdk", clustering=False, deadline_s=5.0)
+    e.relays.published(0, 1)
+    e.relays.published(0, 2)
+    run = e.run_tag
+    assert run > 0 and e.relays.run == run
+    for cid, facts, held in (
+        ("other", {"model_round": 2, "model_run": run + 1}, -1),
+        ("mine", {"model_round": 2, "model_run": run}, 2),
+        ("older", {"model_round": 1}, 1),
+        ("none", {"model_round": -1, "model_run": run + 1}, -1),
+    ):
+        e.handle(T.up(e.config.federation, cid, T.HELLO), encode(Hello(cid, 10, "0.1.0", facts)))
+        assert e.relays.held[cid] == held, cid
+    assert e.holders == {"mine", "older"}

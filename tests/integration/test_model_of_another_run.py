@@ -124,10 +124,64 @@ async def test_a_new_run_of_a_federation_trains_from_its_own_models_only(
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     for a, b in zip(again.weights or [], new.weights or [], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    told = [r.getMessage() for r in caplog.records if "newer than any round" in r.getMessage()]
+    told = [r.getMessage() for r in caplog.records if "of an earlier run" in r.getMessage()]
     want = f"device d0 says it holds the model of round {first_rounds}"
     assert told and all(m.startswith(want) for m in told), told
     after = load_model(kept, federation=run1.federation, client_id="d0")
     assert after is not None and after.model_round == 2  # run 2's round 2 now
     for a, b in zip(after.weights, again.weights or [], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+async def test_a_kept_model_whose_round_this_run_reached_is_still_not_this_runs(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    """Run 1 (1 round) leaves d0 round 1's model. Run 2 (key mode ``shared``): d1 trains round 1 alone and
+    keeps it; the coordinator stops and is resumed on its state directory for 2 more rounds, with both
+    devices. d0 says it holds a model of round 1, a round this run made too, but its hello names run 1: it
+    gets run 2's model from d1 and trains from the model d1 trains from. Before (a hello without the run),
+    it was taken as holding run 2's round 1 and trained round 2 on run 1's model, silently."""
+    public, secret = he_key_dirs(tmp_path)
+    shards = digit_shards(2)
+    run1 = RoundConfig(
+        federation="rerun-same-round", strategy="fedsdk", rounds=1, min_clients=1, start_clients=1,
+        deadline_s=20.0, seed=1, clustering=False, farewell_s=2.0, join_timeout_s=60.0,
+    )  # fmt: skip
+    kept = {cid: tmp_path / f"{cid}-state" for cid in ("d0", "d1")}
+    bases: dict[str, dict[int, list[np.ndarray]]] = {"d0": {}, "d1": {}}
+
+    async def alone(work: Path, cid: str) -> None:
+        async with coordinator(work, broker, run1, he_dir=public) as engine:
+            solo = device(broker, engine, cid, shards[int(cid[1])], he=load_he(secret), state_dir=kept[cid])
+            slowed(solo, 0.0, bases[cid])
+            async with solo:
+                summary = await solo.run(timeout=120)
+        assert summary.state == "finished" and engine.completed_round == 1, summary.reason
+
+    await alone(tmp_path / "run1", "d0")
+    await alone(tmp_path / "run2", "d1")
+    old = load_model(kept["d0"], federation=run1.federation, client_id="d0")
+    assert old is not None and old.model_round == 1 and old.run is not None
+
+    more = dataclasses.replace(run1, rounds=3, min_clients=2, start_clients=2)
+    async with coordinator(tmp_path / "run2", broker, more, he_dir=public) as engine:  # run 2, resumed
+        assert engine.run_tag != old.run and engine.relays.newest == {0: 1}
+        both = [
+            device(broker, engine, c, shards[i], he=load_he(secret), state_dir=kept[c])
+            for i, c in enumerate(kept)
+        ]
+        for c, client in zip(kept, both, strict=True):
+            slowed(client, 0.0, bases[c])
+        async with both[0], both[1]:
+            summaries = await asyncio.gather(*(c.run(timeout=150) for c in both))
+        health = engine.health()
+
+    assert engine.state == "finished" and engine.completed_round == 3, engine.detail
+    assert all(s.state == "finished" for s in summaries), [s.reason for s in summaries]
+    assert health["device_failures"] == {} and health["models_relayed"] == 1, health
+    assert sorted(bases["d0"]) == sorted(bases["d1"]) == [1, 2, 3], (sorted(bases["d0"]), sorted(bases["d1"]))
+    for r in (2, 3):  # d0 trained from run 2's model, the one d1 trained from
+        for a, b in zip(bases["d0"][r], bases["d1"][r], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    for a, b in zip(both[0].weights or [], both[1].weights or [], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

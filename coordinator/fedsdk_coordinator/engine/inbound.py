@@ -113,10 +113,12 @@ class Inbound:
         model_round = facts.get("model_round")  # the SDK says whether it still holds a model
         if isinstance(model_round, int | float) and not isinstance(model_round, bool):
             model_round = int(model_round)
-            if e.relays.of_another_run(model_round):  # its state directory outlived a run (engine.relay)
+            run = facts.get("model_run")
+            run = run if isinstance(run, int) and not isinstance(run, bool) else None
+            if e.relays.of_another_run(model_round, run):  # its state directory outlived a run (engine.relay)
                 log.warning(
-                    "device %s says it holds the model of round %d, newer than any round of this federation: "
-                    "a model of an earlier run; it gets the federation's model instead",
+                    "device %s says it holds the model of round %d, of an earlier run of this federation: "
+                    "it gets the federation's model instead",
                     client_id, model_round,
                 )  # fmt: skip
                 model_round = -1

@@ -34,20 +34,23 @@ Decisions:
   rebuilt from the stored encrypted aggregates (any key holder could decrypt them and add them up): each
   round's aggregate tells a device that did not take part in that round more than the model, their sum,
   does; in a cluster of two or three devices, nearly another device's update of that round.
-* **A model newer than any round aggregated is of another run**: a device's state directory outlives the
-  coordinator's (a service install keeps ``/var/lib/fedsdk``; the operator starts the federation over with
-  a new coordinator state directory under the same name). Such a device said in its hello that it held,
-  say, round 2's model while the new coordinator had aggregated nothing: it was counted as its cluster's
-  holder of the newest model, sealed that model for every other device, and all of them then failed round
-  1 on a model "not from before round 1" (``tests/integration/test_model_of_another_run.py``). Every
-  aggregate is kept before it is published, so no device of this federation can hold a round newer than the
-  newest kept one: a hello that says so is taken as holding no model, with a warning, and the device's task
-  carries the federation's model, which replaces the kept one. Not caught: a kept model of an earlier run
-  whose round equals the newest of the new run (nothing in a hello tells two runs apart; one older than the
-  newest is relayed over or left out as above).
+* **A model of another run is no model**: a device's state directory outlives the coordinator's (a
+  service install keeps ``/var/lib/fedsdk``; the operator starts the federation over with a new coordinator
+  state directory under the same name). Such a device said in its hello that it held, say, round 2's model
+  while the new coordinator had aggregated nothing: it was counted as its cluster's holder of the newest
+  model, sealed that model for every other device, and all of them then failed round 1 on a model "not from
+  before round 1" (``tests/integration/test_model_of_another_run.py``). Now a hello whose model is of
+  another run is taken as holding no model, with a warning, and the device's task carries the federation's
+  model, which replaces the kept one. Another run: the hello names the run its model is of
+  (``model_run``, the ``config["run"]`` of the task it came from) and it is not this coordinator's
+  (:meth:`Store.run_tag`, kept with the state directory); or, from a device that does not say (earlier
+  versions, files kept by them), the model's round is newer than any round kept here (every aggregate is
+  kept before it is published, so no device of this run can hold one).
 * **One request at a time** per device, sent again to the then-best holder after :data:`RELAY_WAIT_S`
-  (a holder that left, or one whose answer was lost). A plan waits for a device's first request only: a
-  relay that failed once does not hold every later round up as well.
+  (a holder that left, or one whose answer was lost), and no sooner after a model was relayed to it that it
+  did not take (its hello says an older round; asking again at once went round in a loop).
+  A plan waits for a device's first request only: a relay that failed once does not hold every later
+  round up as well.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class ModelRelays:
         self.federation = config.federation
         self.enabled = he  # under HE only the devices hold the model
         self.sealed = he and config.key_mode == "shared"  # and they hold the key a relay is sealed under
+        self.run = store.run_tag() if store is not None else 0  # the federation's run; 0: unknown
         self._told: set[str] = set()  # devices left out without a relay, warned of
         self._post = post
         self.held: dict[str, int] = {}  # the round of the model each device holds (-1: none)
@@ -99,12 +103,19 @@ class ModelRelays:
         self.rounds_lost = 0  # rounds of progress given up that way
         self._asked: dict[str, tuple[str, float, int]] = {}  # device -> (holder asked, when, requests sent)
         self.relayed = 0  # sealed models relayed so far
+        self._relayed_at: dict[str, tuple[float, int]] = {}  # device -> when, which round last relayed to it
 
-    def of_another_run(self, model_round: int) -> bool:
-        """Whether a model of round ``model_round`` is newer than any round this federation aggregated
-        (also by an earlier instance of the coordinator on the same state directory): a device's state
-        directory kept it from an earlier run of a federation of the same name (module docstring)."""
-        return self.enabled and model_round > max(self.newest.values(), default=0)
+    def of_another_run(self, model_round: int, model_run: int | None = None) -> bool:
+        """Whether a device's model of round ``model_round`` is of an earlier run of a federation of the same
+        name, kept by the device's state directory (module docstring): its hello names another run than
+        this coordinator's (``model_run``; devices of earlier versions do not say), or its round is newer
+        than any round this federation aggregated (also by an earlier instance of the coordinator on the
+        same state directory)."""
+        if not self.enabled or model_round < 0:
+            return False
+        if model_run is not None and self.run and model_run != self.run:
+            return True
+        return model_round > max(self.newest.values(), default=0)
 
     def heard(self, client_id: str, model_round: int, *, at_least: bool = False) -> None:
         """A device's hello said it holds ``model_round``'s model (``at_least``: a report showed it
@@ -179,6 +190,7 @@ class ModelRelays:
         target = self.target(client_id, cluster, members, ids)
         if target < 0:
             self._asked.pop(client_id, None)
+            self._relayed_at.pop(client_id, None)
             self._told.discard(client_id)
             return False
         if not self.sealed:  # under the key server: nobody can give it the model; left out, said once
@@ -195,6 +207,9 @@ class ModelRelays:
         asked = self._asked.get(client_id)
         if asked is not None and now - asked[1] < RELAY_WAIT_S:
             return True
+        when, given = self._relayed_at.get(client_id, (-RELAY_WAIT_S, -1))
+        if now - when < RELAY_WAIT_S and self.held.get(client_id, -1) < given:
+            return True  # relayed moments ago and it did not take it: not at once again
         sent = 1 if asked is None else asked[2] + 1
         assert cluster is not None  # a target implies a cluster
         holders = [
@@ -229,6 +244,7 @@ class ModelRelays:
             raise ValidationError("stale_round", f"model for {msg.for_client}, which left")
         self._post(T.down(self.federation, msg.for_client), payload)
         self._asked.pop(msg.for_client, None)  # its next hello says what it holds now
+        self._relayed_at[msg.for_client] = (time.monotonic(), msg.round_id)
         self.relayed += 1
         progress.info(  # shown by default, as the rounds are
             "device %s lacked cluster %d's model: relayed round %d's, sealed by %s (%d bytes)",

@@ -36,7 +36,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.client.decryption import Decryption
 from fedsdk.client.link import Publish
-from fedsdk.client.state import DeviceState, Pending, model_input
+from fedsdk.client.state import DeviceState, Pending, model_input, run_of
 from fedsdk.crypto.base import Aggregate as HEAggregate
 from fedsdk.errors import CryptoError, FedError, TransportClosed, TransportError, ValidationError
 from fedsdk.personal import personalise
@@ -67,7 +67,7 @@ def same_run(task: Task, agg: AnyAggregate) -> bool:
     the broker keeps each cluster's last aggregate, so a federation started over under the same name meets
     the earlier run's, whose round may be the one a device waits for. An untagged task (an older
     coordinator) takes any aggregate."""
-    run = task.config.get("run")
+    run = run_of(task)
     return run is None or agg.metrics.get("run") == float(run)
 
 
@@ -239,7 +239,7 @@ class Aggregates:
             except (FedError, ValueError) as exc:
                 log.warning("round %d: leakage count failed: %s", agg.round_id, exc)
         summary.applied_rounds.append(agg.round_id)
-        device.model_round = agg.round_id
+        device.model_round, device.model_run = agg.round_id, run_of(pending.task)
         last = pending.task.config.get("rounds")
         if isinstance(last, int | float) and agg.round_id >= last:
             device.last_round_at = time.monotonic()

@@ -149,6 +149,7 @@ class FedClient:
             return
         device = self._device
         device.weights, device.model_round = saved.weights, saved.model_round
+        device.model_run = saved.run
         device.model_id, device.summary.cluster_id = saved.model_id, saved.cluster_id
         self._work.names = saved.param_names
         log.info(

@@ -183,6 +183,8 @@ class Link:
     async def say_hello(self, publish: Publish) -> None:
         facts: dict[str, Any] = dict(device_facts())
         facts["model_round"] = self.device.model_round
+        if self.device.model_run is not None:
+            facts["model_run"] = self.device.model_run  # the run it is of (an earlier run's is not used)
         hello = Hello(
             client_id=self.device.client_id,
             num_samples=self.device.num_samples,

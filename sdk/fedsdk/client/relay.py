@@ -11,7 +11,10 @@ device of its cluster that holds it, through the coordinator, which cannot read 
   (and keeps it in its state directory), and says hello again, so that the coordinator knows it holds the
   cluster's model and tasks it without weights. A model that does not open or check is refused (counted
   as ``bad_relay``); a model not newer than the one it holds changes nothing, but the device says hello
-  all the same (its last report may have been lost, and the coordinator asked because of it).
+  all the same (its last report may have been lost, and the coordinator asked because of it). A model of
+  the round it holds but of another run of the federation (its own was kept from an earlier run, which the
+  coordinator saw in its hello) replaces it; before, the device refused it and said hello again, the
+  coordinator asked for it again at once, and the two went round thousands of times a minute.
 """
 
 from __future__ import annotations
@@ -131,6 +134,11 @@ class ModelRelay:
         await publish(T.MODEL, msg)
         log.info("sealed the model of round %d for %s", saved.model_round, req.for_client)
 
+    def _holds(self, round_id: int) -> tuple[None, bool]:
+        """A relayed model not newer than the one this device holds: not taken; it says hello again."""
+        log.info("relayed model of round %d: this device holds round %d's", round_id, self.device.model_round)
+        return None, True
+
     async def on_model(self, msg: SealedModel, names: tuple[str, ...]) -> tuple[SavedModel | None, bool]:
         """Open a model relayed to this device: the model to hold from now on (None: refused, or not newer
         than the one it holds), and whether to say hello again (module docstring)."""
@@ -140,11 +148,8 @@ class ModelRelay:
             device.rejected.add("bad_relay")
             log.warning("a model relayed for %s refused: not for this device, or no HE key", msg.for_client)
             return None, False
-        if msg.round_id <= device.model_round:
-            log.info(
-                "relayed model of round %d: this device holds round %d's", msg.round_id, device.model_round
-            )
-            return None, True
+        if msg.round_id < device.model_round:
+            return self._holds(msg.round_id)
 
         def open_() -> SavedModel:
             body = sealer.open(
@@ -169,11 +174,14 @@ class ModelRelay:
                 raise ValueError("its shapes are not those of the model this device holds")
             if device.model_id and saved.model_id != device.model_id:
                 raise ValueError(f"it is model {saved.model_id!r}, not {device.model_id!r}")
+            same_run = saved.run is None or saved.run == device.model_run
+            if saved.model_round == device.model_round and same_run:  # one of another run is replaced
+                return self._holds(msg.round_id)
         except (CryptoError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             device.rejected.add("bad_relay")
             log.warning("model of round %d relayed from %s refused: %s", msg.round_id, msg.client_id, exc)
             return None, False
-        device.weights, device.model_round = saved.weights, saved.model_round
+        device.weights, device.model_round, device.model_run = saved.weights, saved.model_round, saved.run
         device.model_id, device.summary.cluster_id = saved.model_id or device.model_id, saved.cluster_id
         device.pending = {r: p for r, p in device.pending.items() if r > saved.model_round}
         progress.info(  # shown by default: the device trains from the next task on

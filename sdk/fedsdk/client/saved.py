@@ -13,9 +13,10 @@ cluster's model.
 Decisions:
 
 * One file, ``<state_dir>/model.npz``: the weights as float32 arrays and a JSON header (federation, client
-  id, cluster, the round of the model, model id, parameter names), written atomically with mode 0600 (the
-  plaintext model of an HE federation is as private as the key: ``fedsdk.files.write_private``) and read
-  with ``allow_pickle=False``. No key material goes in it.
+  id, cluster, the round of the model, model id, parameter names, and the federation run the model is of,
+  which the hello says so that a coordinator of another run does not take the model as its own), written
+  atomically with mode 0600 (the plaintext model of an HE federation is as private as the key:
+  ``fedsdk.files.write_private``) and read with ``allow_pickle=False``. No key material goes in it.
 * A file of another federation or device, of another format, unreadable or inconsistent is not used: the
   device logs why at WARNING and starts holding nothing, as without a state directory (it is rewritten at
   the next applied round).
@@ -77,6 +78,7 @@ class SavedModel:
     model_id: str
     param_names: tuple[str, ...]
     weights: list[np.ndarray]
+    run: int | None = None  # the federation run the model is of (the coordinator's run tag; None: unknown)
 
 
 def save_model(state_dir: str | os.PathLike[str], saved: SavedModel) -> Path:
@@ -99,6 +101,7 @@ def held_model(device: DeviceState, names: tuple[str, ...], cluster_id: int) -> 
         model_id=device.model_id or "",
         param_names=names,
         weights=device.weights,
+        run=device.model_run,
     )
 
 
@@ -123,6 +126,8 @@ def model_bytes(saved: SavedModel) -> bytes:
         "model_id": saved.model_id,
         "param_names": list(saved.param_names),
     }
+    if saved.run is not None:
+        header["run"] = int(saved.run)
     arrays: dict[str, Any] = {f"w{i}": np.asarray(w, dtype=np.float32) for i, w in enumerate(saved.weights)}
     arrays["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
     buf = io.BytesIO()
@@ -179,7 +184,8 @@ def model_from_bytes(data: bytes) -> SavedModel:
             raise ValueError(f"{len(z.files) - 1} arrays for {len(names)} parameter names")
     if not all(np.isfinite(w).all() for w in weights):
         raise ValueError("the weights are not all finite")
-    numbers = [header["cluster_id"], header["model_round"]]
+    run = header.get("run")  # absent in files of earlier versions
+    numbers = [header["cluster_id"], header["model_round"], *([] if run is None else [run])]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers):
         raise ValueError("cluster and round must be integers >= 0")
     texts = [header["federation"], header["client_id"], header["model_id"]]
@@ -193,4 +199,5 @@ def model_from_bytes(data: bytes) -> SavedModel:
         model_id=header["model_id"],
         param_names=tuple(names),
         weights=weights,
+        run=run,
     )

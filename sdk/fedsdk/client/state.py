@@ -21,7 +21,7 @@ from fedsdk.personal import PersonalModel
 from fedsdk.protocol import Task
 from fedsdk.protocol.validate import RejectCounter
 
-__all__ = ["ClientSummary", "DeviceState", "Pending", "RoundRecord", "dims", "model_input"]
+__all__ = ["ClientSummary", "DeviceState", "Pending", "RoundRecord", "dims", "model_input", "run_of"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ class DeviceState:
     model_id: str | None = None
     weights: list[np.ndarray] | None = None  # the model this device holds: the last aggregate it applied
     model_round: int = -1  # the round of the model this device holds (-1: none yet)
+    model_run: int | None = None  # the federation run it is of (the task's ``config["run"]``; None: unknown)
     pending: dict[int, Pending] = field(default_factory=dict)  # by round: trained in, not applied yet
     last_round_at: float | None = None  # when the federation's last round was applied (monotonic)
     personal_epochs: int = 0  # fine-tune epochs after each applied round (0: personalisation off)
@@ -118,3 +119,10 @@ def model_input(task: Task, x: np.ndarray) -> np.ndarray:
             raise TrainingError(f"local samples of shape {x.shape[1:]} do not fit the model input {shape}")
         x = x.reshape((-1, *shape))
     return x
+
+
+def run_of(task: Task) -> int | None:
+    """The run of the federation ``task`` belongs to (``config["run"]``, the coordinator's run tag); None
+    for an untagged task (a coordinator of an earlier version)."""
+    run = task.config.get("run")
+    return run if isinstance(run, int) and not isinstance(run, bool) else None

@@ -43,7 +43,7 @@ import numpy as np
 
 from fedsdk import pipeline
 from fedsdk.client.link import Link
-from fedsdk.client.state import DeviceState, Pending, RoundRecord, model_input
+from fedsdk.client.state import DeviceState, Pending, RoundRecord, model_input, run_of
 from fedsdk.conditions import RunConditions, Verdict
 from fedsdk.crypto.pool import auto_capacity
 from fedsdk.errors import (
@@ -163,11 +163,11 @@ class Work:
             base = [np.array(w, dtype=np.float32) for w in task.weights]
             self._shapes, self.names = [tuple(w.shape) for w in base], tuple(task.param_names)
             if phase == "train":
-                device.model_round = task.round_id - 1  # the task's model is round r-1's result
+                device.model_round, device.model_run = task.round_id - 1, run_of(task)  # round r-1's result
             return base
         if device.weights is not None:
             if device.model_round >= task.round_id:  # kept on disk by another run of the federation: dropped
-                device.weights, device.model_round = None, -1  # (the device says so: Tasks.on_task)
+                device.weights, device.model_round, device.model_run = None, -1, None  # (said: Tasks.on_task)
                 raise TrainingError(f"the model kept (another run?) is not from before round {task.round_id}")
             self._shapes = self._shapes or [tuple(w.shape) for w in device.weights]  # a restored model
             return [w.copy() for w in device.weights]
