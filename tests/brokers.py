@@ -157,6 +157,7 @@ def _mosquitto_config(
         "connection_messages true",
         "set_tcp_nodelay true",  # as fedsdk_coordinator.mosquitto and `fedsdk provision` write it
         f"max_packet_size {MAX_PACKET_BYTES}",  # likewise
+        "max_queued_messages 100000",  # likewise: the default 1,000 drops QoS 1 messages for a slow client
         f"listener {port} {HOST}",
     ]
     if os.geteuid() == 0:

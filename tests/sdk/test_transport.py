@@ -302,7 +302,10 @@ async def test_3000_qos1_messages_back_to_back_all_arrive(
             await asyncio.wait_for(
                 asyncio.gather(*(pub.publish(unique_topic, b"%06d" % i) for i in range(n))), WAIT
             )
-            await asyncio.wait_for(consumer, WAIT)
+            try:
+                await asyncio.wait_for(consumer, WAIT)
+            except asyncio.TimeoutError:
+                pytest.fail(f"{len(received)} of {n} arrived in {WAIT} s; subscriber {sub.stats}")
         finally:
             consumer.cancel()
             await asyncio.gather(consumer, return_exceptions=True)
