@@ -114,6 +114,16 @@ def he_key_dirs(tmp_path: Path, key_bits: int = 1024) -> tuple[Path, Path]:
         )
 
 
+def he_rounds(federation: str, **options: Any) -> RoundConfig:
+    """A small unclustered ``fedsdk`` federation of devices that join one by one (a round needs one device;
+    ``options`` override): what the model-relay tests run."""
+    config: dict[str, Any] = dict(
+        strategy="fedsdk", rounds=2, min_clients=1, start_clients=1, deadline_s=20.0, seed=1,
+        clustering=False, farewell_s=2.0, join_timeout_s=60.0,
+    )  # fmt: skip
+    return RoundConfig(federation=federation, **{**config, **options})
+
+
 def digit_shards(n: int, seed: int = 0) -> list[tuple[Any, Any]]:
     """The digits' training set split IID into ``n`` shards ``(x, y)``."""
     digits = load_digits(shape="flat")

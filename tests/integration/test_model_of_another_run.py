@@ -16,14 +16,15 @@ fails. Before:
 * run 1 of 1 round: both devices applied run 1's round-1 aggregate, retained by the broker on the cluster's
   topic and delivered when they subscribed, as run 2's round 1 (round 2 trained from exactly run 1's
   model), and the federation finished as if nothing had happened;
-* key mode ``keyserver``: the new key server decrypted run 1's retained aggregate when it subscribed and
-  then refused run 2's rounds up to run 1's last (``stale_round``); the round waited for reports that never
-  came.
+* key mode ``keyserver``: a new key server decrypted run 1's retained aggregate when it subscribed, and one
+  running through both runs remembered run 1's rounds; either refused run 2's rounds up to run 1's last
+  (``stale_round``), and the round waited for reports that never came.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import coordinator, device, digit_shards, he_key_dirs, slowed
+from engines import coordinator, device, digit_shards, he_key_dirs, he_rounds, slowed
 from fedsdk.client.saved import load_model
 from fedsdk.hekeys import load_he
 from fedsdk.transport import MqttTransport
@@ -50,64 +51,78 @@ def _need_mosquitto() -> None:
 
 
 @asynccontextmanager
-async def federation(
-    work: Path, broker: MosquittoProcess, rounds: RoundConfig, public: Path, secret: Path
-) -> AsyncIterator[RoundEngine]:
-    """A coordinator with its state directory in ``work``; and a key server in key mode ``keyserver``."""
-    if rounds.key_mode != "keyserver":
-        async with coordinator(work, broker, rounds, he_dir=public) as engine:
-            yield engine
-        return
+async def key_server(broker: MosquittoProcess, federation: str, secret: Path) -> AsyncIterator[None]:
+    """A key server of ``federation`` while the context lasts."""
     transport = MqttTransport.from_url(broker.url, client_id="keyserver", insecure=True)
-    async with transport, coordinator(work, broker, rounds, he_dir=public) as engine:
-        served = asyncio.create_task(
-            KeyServer(transport, load_he(secret), federation=rounds.federation).run()
-        )
+    async with transport:
+        served = asyncio.create_task(KeyServer(transport, load_he(secret), federation=federation).run())
         try:
-            yield engine
+            yield
         finally:
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
 
 
-@pytest.mark.parametrize(("key_mode", "first_rounds"), [("shared", 2), ("shared", 1), ("keyserver", 2)])
+@asynccontextmanager
+async def federation(
+    work: Path, broker: MosquittoProcess, rounds: RoundConfig, public: Path, secret: Path, *, own_keys: bool
+) -> AsyncIterator[RoundEngine]:
+    """A coordinator with its state directory in ``work``; with ``own_keys``, a key server of its own."""
+    async with contextlib.AsyncExitStack() as stack:
+        if own_keys:
+            await stack.enter_async_context(key_server(broker, rounds.federation, secret))
+        yield await stack.enter_async_context(coordinator(work, broker, rounds, he_dir=public))
+
+
+@pytest.mark.parametrize(
+    ("mode", "first_rounds"),
+    [("shared", 2), ("shared", 1), ("keyserver per run", 2), ("keyserver service", 2)],
+)
 async def test_a_new_run_of_a_federation_trains_from_its_own_models_only(
     tmp_path: Path,
     broker: MosquittoProcess,
     caplog: pytest.LogCaptureFixture,
-    key_mode: str,
+    mode: str,
     first_rounds: int,
 ) -> None:
+    """``keyserver per run``: each run starts its key server (the new one meets the earlier run's retained
+    aggregate); ``keyserver service``: one key server runs through both runs (it remembers the earlier
+    run's rounds)."""
     public, secret = he_key_dirs(tmp_path)
+    key_mode = mode.split()[0]
     device_key = secret if key_mode == "shared" else public
     shards = digit_shards(2)
-    run1 = RoundConfig(
-        federation=f"rerun-{key_mode}-{first_rounds}", strategy="fedsdk", key_mode=key_mode,
-        rounds=first_rounds, min_clients=1, start_clients=1, deadline_s=20.0, seed=1, clustering=False,
-        farewell_s=2.0, join_timeout_s=60.0,
-    )  # fmt: skip
+    run1 = he_rounds(f"rerun-{mode.replace(' ', '-')}-{first_rounds}", key_mode=key_mode, rounds=first_rounds)
     kept = tmp_path / "d0-state"
     first_bases: dict[int, list[np.ndarray]] = {}
-    async with federation(tmp_path / "run1", broker, run1, public, secret) as engine:
-        first = device(broker, engine, "d0", shards[0], he=load_he(device_key), state_dir=kept)
-        slowed(first, 0.0, first_bases)
-        async with first:
-            summary = await first.run(timeout=120)
-    assert summary.state == "finished" and engine.completed_round == first_rounds, summary.reason
-    saved = load_model(kept, federation=run1.federation, client_id="d0")
-    assert saved is not None and saved.model_round == first_rounds
-
-    run2 = dataclasses.replace(run1, rounds=2, min_clients=2, start_clients=2)
     bases: dict[str, dict[int, list[np.ndarray]]] = {"d0": {}, "d1": {}}
-    with caplog.at_level(logging.WARNING, logger="fedsdk_coordinator.rounds"):
-        async with federation(tmp_path / "run2", broker, run2, public, secret) as engine:
-            again = device(broker, engine, "d0", shards[0], he=load_he(device_key), state_dir=kept)
-            new = device(broker, engine, "d1", shards[1], he=load_he(device_key))
-            slowed(again, 0.0, bases["d0"])
-            slowed(new, 0.0, bases["d1"])
-            async with again, new:
-                summaries = await asyncio.gather(again.run(timeout=150), new.run(timeout=150))
-            health = engine.health()
+    own_keys = mode == "keyserver per run"
+
+    def start(work: Path, rounds: RoundConfig) -> contextlib.AbstractAsyncContextManager[RoundEngine]:
+        return federation(work, broker, rounds, public, secret, own_keys=own_keys)
+
+    async with contextlib.AsyncExitStack() as service:
+        if mode == "keyserver service":
+            await service.enter_async_context(key_server(broker, run1.federation, secret))
+        async with start(tmp_path / "run1", run1) as engine:
+            first = device(broker, engine, "d0", shards[0], he=load_he(device_key), state_dir=kept)
+            slowed(first, 0.0, first_bases)
+            async with first:
+                summary = await first.run(timeout=120)
+        assert summary.state == "finished" and engine.completed_round == first_rounds, summary.reason
+        saved = load_model(kept, federation=run1.federation, client_id="d0")
+        assert saved is not None and saved.model_round == first_rounds
+
+        run2 = dataclasses.replace(run1, rounds=2, min_clients=2, start_clients=2)
+        with caplog.at_level(logging.WARNING, logger="fedsdk_coordinator.rounds"):
+            async with start(tmp_path / "run2", run2) as engine:
+                again = device(broker, engine, "d0", shards[0], he=load_he(device_key), state_dir=kept)
+                new = device(broker, engine, "d1", shards[1], he=load_he(device_key))
+                slowed(again, 0.0, bases["d0"])
+                slowed(new, 0.0, bases["d1"])
+                async with again, new:
+                    summaries = await asyncio.gather(again.run(timeout=150), new.run(timeout=150))
+                health = engine.health()
 
     assert engine.state == "finished" and engine.completed_round == 2, engine.detail
     assert all(s.state == "finished" for s in summaries), [s.reason for s in summaries]
@@ -143,10 +158,7 @@ async def test_a_kept_model_whose_round_this_run_reached_is_still_not_this_runs(
     it was taken as holding run 2's round 1 and trained round 2 on run 1's model, silently."""
     public, secret = he_key_dirs(tmp_path)
     shards = digit_shards(2)
-    run1 = RoundConfig(
-        federation="rerun-same-round", strategy="fedsdk", rounds=1, min_clients=1, start_clients=1,
-        deadline_s=20.0, seed=1, clustering=False, farewell_s=2.0, join_timeout_s=60.0,
-    )  # fmt: skip
+    run1 = he_rounds("rerun-same-round", rounds=1)
     kept = {cid: tmp_path / f"{cid}-state" for cid in ("d0", "d1")}
     bases: dict[str, dict[int, list[np.ndarray]]] = {"d0": {}, "d1": {}}
 

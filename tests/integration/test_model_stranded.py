@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, require_mosquitto
-from engines import coordinator, device, digit_shards, he_key_dirs, slowed, until
+from engines import coordinator, device, digit_shards, he_key_dirs, he_rounds, slowed, until
 from fedsdk.client.saved import load_model
 from fedsdk.hekeys import load_he
-from fedsdk_coordinator.rounds import RoundConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -36,10 +35,7 @@ async def test_a_round_waits_for_a_holder_of_the_newest_model_instead_of_startin
 ) -> None:
     public, secret = he_key_dirs(tmp_path)
     shards = digit_shards(2)
-    rounds = RoundConfig(
-        federation="stranded", strategy="fedsdk", rounds=4, min_clients=1, start_clients=1,
-        deadline_s=20.0, seed=1, clustering=False, farewell_s=5.0, join_timeout_s=60.0,
-    )  # fmt: skip
+    rounds = he_rounds("stranded", rounds=4, farewell_s=5.0)
     kept = tmp_path / "d0-state"
 
     def on_disk() -> int:
