@@ -5,7 +5,8 @@ reconnects, goodbye, and the conditions that end a run (``docs/operations.md``, 
   coordinator's epoch: a restarted coordinator has a new one) and after each reconnect of its own link (the
   coordinator may have taken its connection-lost will for a goodbye). The hello's device facts carry
   ``model_round``: the round of the model it holds, -1 for none, so a coordinator under HE knows whether the
-  device still holds its cluster's model.
+  device still holds its cluster's model; and ``model_run``, the run of the federation that model is of
+  (when known), so that a coordinator started over under the same name does not take it as its own.
 * A reply whose upload fails (the link stayed down past the transport's timeout) is sent again, whole, once
   the link is back; beyond that the coordinator's next request gets it from the task pipeline's cache of
   its last reply (``work.py``). Chunks the broker had not acknowledged are re-sent by the transport; a
