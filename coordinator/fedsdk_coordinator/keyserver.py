@@ -37,10 +37,9 @@ __all__ = ["KeyServer"]
 log = logging.getLogger(__name__)
 
 
-def run_of(msg: EncryptedAggregate) -> dict[str, float]:
-    """The run tag of ``msg``, for the decrypted aggregate's metrics (empty when untagged)."""
-    run = msg.metrics.get("run")
-    return {} if run is None else {"run": float(run)}
+def _run_metric(msg: EncryptedAggregate) -> dict[str, float]:
+    """``msg``'s run tag, for the decrypted aggregate's metrics (empty when untagged)."""
+    return {"run": msg.metrics["run"]} if "run" in msg.metrics else {}
 
 
 class KeyServer:
@@ -65,7 +64,7 @@ class KeyServer:
             weights=(np.asarray(flat, dtype=np.float32),),
             num_clients=msg.n_devices,
             total_samples=msg.total_samples,
-            metrics={"decrypt_s": time.perf_counter() - t0, **run_of(msg)},
+            metrics={"decrypt_s": time.perf_counter() - t0, **_run_metric(msg)},
             kind="delta",
         )
         return encode(out)

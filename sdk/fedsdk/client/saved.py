@@ -23,8 +23,9 @@ Decisions:
 * A kept model that cannot be this run's (a task without weights for a round not after the kept model's:
   the state directory of an earlier run of the federation) is dropped: the device answers that task with
   an error and says hello again holding nothing, so that its next task brings the federation's model.
-  The coordinator catches the usual case before any task: a hello holding a round newer than any it
-  aggregated gets a task carrying the federation's model (``fedsdk_coordinator.engine.relay``).
+  The coordinator catches it before any task: a hello holding a model of another run (the file's ``run``,
+  or for a file without one a round newer than any it aggregated) gets the federation's model
+  (``fedsdk_coordinator.engine.relay``).
 * What it does not cover: a device that missed rounds while it was down restores the model of the last
   round it applied, not the cluster's current one; in key mode ``shared`` the coordinator then has a
   device of its cluster relay the current one (:mod:`fedsdk.client.relay`) before it trains; under the
