@@ -32,6 +32,15 @@ from fedsdk.protocol.messages import (
     register,
 )
 from fedsdk.protocol.relay import ModelRequest, SealedModel
+from fedsdk.protocol.secagg import (
+    MaskedUpdate,
+    MaskKeys,
+    MaskRelay,
+    MaskRoster,
+    MaskShares,
+    UnmaskRequest,
+    UnmaskShares,
+)
 from fedsdk.protocol.selective import (
     DecryptShare,
     EncryptedAggregate,
@@ -72,6 +81,11 @@ __all__ = [
     "FrozenMap",
     "Hello",
     "Limits",
+    "MaskKeys",
+    "MaskRelay",
+    "MaskRoster",
+    "MaskShares",
+    "MaskedUpdate",
     "Message",
     "MessageKind",
     "ModelRequest",
@@ -82,6 +96,8 @@ __all__ = [
     "Sketch",
     "Status",
     "Task",
+    "UnmaskRequest",
+    "UnmaskShares",
     "Update",
     "Wire",
     "check_aggregate",

@@ -30,11 +30,14 @@ __all__ = [
     "ERROR",
     "HELLO",
     "ID_PATTERN",
+    "KEYS",
     "MODEL",
     "PROBE",
     "REPORT",
     "SHARE",
+    "SHARES",
     "SKETCH",
+    "UNMASK",
     "UPDATE",
     "UP_KINDS",
     "UP_KIND_OF",
@@ -70,6 +73,13 @@ class MessageKind(enum.IntEnum):
     SHARE_BUNDLE = 13
     MODEL_REQUEST = 14
     SEALED_MODEL = 15
+    MASK_KEYS = 16
+    MASK_ROSTER = 17
+    MASK_SHARES = 18
+    MASK_RELAY = 19
+    UNMASK_REQUEST = 20
+    UNMASK_SHARES = 21
+    MASKED_UPDATE = 22
 
 
 # The last level of an upstream topic: what a device publishes.
@@ -82,7 +92,12 @@ REPORT = "report"
 SHARE = "share"  # a device's sealed part of a decrypted aggregate, relayed to its cluster (crypto/shares.py)
 PROBE = "probe"  # raw bytes a device times to measure its uplink; no envelope, never decoded
 MODEL = "model"  # a device's model sealed for one device of its cluster that lacks it (client/relay.py)
-UP_KINDS: frozenset[str] = frozenset({HELLO, UPDATE, ERROR, BYE, SKETCH, REPORT, SHARE, PROBE, MODEL})
+KEYS = "keys"  # a device's masking public keys for one session (secure aggregation, fedsdk.secagg)
+SHARES = "shares"  # its Shamir shares of its masking secrets, sealed for each neighbour
+UNMASK = "unmask"  # the shares that remove the masks of a sum
+UP_KINDS: frozenset[str] = frozenset(
+    {HELLO, UPDATE, ERROR, BYE, SKETCH, REPORT, SHARE, PROBE, MODEL, KEYS, SHARES, UNMASK}
+)
 
 #: Which upstream topic kind carries which message kind (a device publishes nothing else).
 UP_KIND_OF: dict[MessageKind, str] = {
@@ -95,6 +110,10 @@ UP_KIND_OF: dict[MessageKind, str] = {
     MessageKind.REPORT: REPORT,
     MessageKind.DECRYPT_SHARE: SHARE,
     MessageKind.SEALED_MODEL: MODEL,
+    MessageKind.MASK_KEYS: KEYS,
+    MessageKind.MASK_SHARES: SHARES,
+    MessageKind.UNMASK_SHARES: UNMASK,
+    MessageKind.MASKED_UPDATE: UPDATE,
 }
 
 ID_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
