@@ -105,7 +105,7 @@ def test_one_masked_update_reveals_nothing_by_itself() -> None:
 @settings(max_examples=25, deadline=None)
 def test_a_device_never_reveals_both_secrets_of_one_neighbour(n: int, data: st.DataObject) -> None:
     ids = [f"d{i}" for i in range(n)]
-    devs, co = session(ids)
+    devs, _ = session(ids)
     me = data.draw(st.sampled_from(ids))
     others = [i for i in ids if i != me]
     split = data.draw(st.lists(st.sampled_from(["alive", "gone", "absent"]), min_size=n - 1, max_size=n - 1))
@@ -198,7 +198,7 @@ def test_certified_devices_mask_together(pki) -> None:
     ids = ["a", "b", "c"]
     signers = {i: Signer(*map(str, pki.clients[i])) for i in ids}
     trust = Trust.from_file(str(pki.ca_file))
-    devs, co = session(ids, trust=trust, signers=signers)
+    devs, _ = session(ids, trust=trust, signers=signers)
     assert all(d.certified == 2 for d in devs.values())
 
 
