@@ -29,6 +29,7 @@ import numpy as np
 
 from fedsdk.crypto.fixedpoint import FixedPoint
 from fedsdk.errors import CiphertextError, CryptoError, KeyMismatchError
+from fedsdk.secagg.ring import MaskRing
 
 __all__ = ["Aggregate", "Ciphertext", "Contribution", "EncodeReport", "Encoded", "HEBackend"]
 
@@ -76,7 +77,8 @@ class Contribution:
 
     ``ciphertexts`` has one entry per True in ``mask`` and ``plaintexts`` one per False, both in pack order.
     ``coins`` names the obfuscators of the ciphertexts for the key holders (``fedsdk.crypto.obfuscator``);
-    empty when the backend has none to name.
+    empty when the backend has none to name. ``masked``: every pack carries the device's secure-aggregation
+    mask (:meth:`HEBackend.mask_ring`), so its plaintexts are ring elements, not slot codes.
     """
 
     backend: str
@@ -87,6 +89,7 @@ class Contribution:
     ciphertexts: tuple[bytes, ...]
     plaintexts: tuple[bytes, ...]
     coins: bytes = b""
+    masked: bool = False
 
     def __post_init__(self) -> None:
         mask = np.asarray(self.mask, dtype=bool).ravel()
@@ -123,6 +126,7 @@ class Aggregate:
     clear: np.ndarray = field(default_factory=lambda: np.zeros(0))
     members: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
     coins: tuple[bytes, ...] = ()
+    masked: bool = False  # formed from masked contributions (and their correction): sums are of the updates
 
 
 class HEBackend(abc.ABC):
@@ -270,13 +274,54 @@ class HEBackend(abc.ABC):
                 "or the key server, never on the coordinator"
             )
 
+    # ------------------------------------------------------------------ secure aggregation
+    # Masks (``fedsdk.secagg``) are added to each pack's encoded plaintext in the ring the backend's plaintext
+    # arithmetic respects (:meth:`mask_ring`), before encryption; the coordinator sums masked plaintexts in
+    # that ring and adds the correction that removes the masks left in the sum (``fedsdk.secagg.unmask``).
+    # A decrypted sum is then the sum of the unmasked packs, decoded as before.
+    def mask_ring(self) -> MaskRing:
+        """The ring one element of a mask lives in (one element per :meth:`mask_count`)."""
+        raise CryptoError(
+            f"the {self.name} backend cannot carry secure-aggregation masks: they must cancel exactly, and "
+            "its sums are approximate"
+        )
+
+    def mask_count(self, n_values: int) -> int:
+        """Mask elements in an update of ``n_values`` values."""
+        return self.num_packs(n_values)
+
+    def blind_packs(self, packs: Sequence[Any], blind: Any) -> list[Any]:
+        """Each encoded pack plus its elements of the mask vector ``blind`` (in :meth:`mask_ring`)."""
+        raise CryptoError(f"the {self.name} backend cannot carry secure-aggregation masks")
+
+    def masked_plaintext_to_bytes(self, p: Any) -> bytes:
+        raise CryptoError(f"the {self.name} backend cannot carry secure-aggregation masks")
+
+    def masked_plaintext_from_bytes(self, data: bytes) -> Any:
+        """Parse one masked pack (any ring element: nothing else can be checked of it)."""
+        raise CryptoError(f"the {self.name} backend cannot carry secure-aggregation masks")
+
+    def masked_add_plains(self, a: Any, b: Any) -> Any:
+        """The ring sum of two masked packs."""
+        raise CryptoError(f"the {self.name} backend cannot carry secure-aggregation masks")
+
+    def masked_correction(self, blind: Any, n_values: int) -> list[Any]:
+        """A mask vector as one masked pack per pack (the coordinator's correction)."""
+        raise CryptoError(f"the {self.name} backend cannot carry secure-aggregation masks")
+
+    def masked_unwrap(self, p: Any) -> Any:
+        """A masked pack whose masks are gone, as the plain sum :meth:`decode` takes."""
+        raise CryptoError(f"the {self.name} backend cannot carry secure-aggregation masks")
+
     # ------------------------------------------------------------------ device side
     def encrypt_update(
-        self, values: np.ndarray, weight: int, mask: np.ndarray | None = None
+        self, values: np.ndarray, weight: int, mask: np.ndarray | None = None, blind: Any = None
     ) -> tuple[Contribution, EncodeReport]:
-        """Encode a whole update, encrypt the packs ``mask`` selects (all when None), serialise."""
+        """Encode a whole update, add the mask vector ``blind`` when given (secure aggregation), encrypt
+        the packs ``mask`` selects (all when None), serialise."""
         t0 = time.perf_counter()
         enc = self.encode(values, weight)
+        packs = enc.packs if blind is None else self.blind_packs(enc.packs, blind)
         n_packs = len(enc.packs)
         sel = np.ones(n_packs, dtype=bool) if mask is None else np.asarray(mask, dtype=bool).ravel()
         if sel.size != n_packs:
@@ -284,13 +329,17 @@ class HEBackend(abc.ABC):
         report = EncodeReport(enc.n_values, n_packs, int(sel.sum()), enc.weight, enc.clipped)
         t1 = time.perf_counter()
         report.encode_seconds = t1 - t0
-        natives = self.raw_encrypt_packs([enc.packs[i] for i in np.flatnonzero(sel)], report)
+        natives = self.raw_encrypt_packs([packs[i] for i in np.flatnonzero(sel)], report)
         cts = tuple(self.raw_ciphertext_to_bytes(c) for c in natives)
-        pts = tuple(self.raw_plaintext_to_bytes(enc.packs[i]) for i in np.flatnonzero(~sel))
+        to_bytes = self.raw_plaintext_to_bytes if blind is None else self.masked_plaintext_to_bytes
+        pts = tuple(to_bytes(packs[i]) for i in np.flatnonzero(~sel))
         report.encrypt_seconds = time.perf_counter() - t1
         report.ciphertext_bytes = sum(map(len, cts))
         report.plaintext_bytes = sum(map(len, pts))
-        contribution = Contribution(self.name, self.key_id, enc.n_values, enc.weight, sel, cts, pts)
+        masked = blind is not None
+        contribution = Contribution(
+            self.name, self.key_id, enc.n_values, enc.weight, sel, cts, pts, masked=masked
+        )
         return contribution, report
 
     def check_aggregate(self, agg: Aggregate) -> np.ndarray:
@@ -339,14 +388,15 @@ class HEBackend(abc.ABC):
     def validate_contribution(self, c: Contribution) -> None:  # noqa: B027 - optional hook
         """Hook for backend-wide checks of one contribution (e.g. all plaintext slots at once)."""
 
-    def aggregate(self, contributions: Sequence[Contribution]) -> Aggregate:
+    def aggregate(self, contributions: Sequence[Contribution], correction: Any = None) -> Aggregate:
         """Mixed FedAvg sum over devices; needs only the public key (SenseCrypt §3.3, FedPHE Alg. 2).
 
         Per pack: the ciphertexts of the devices that encrypted it, plus the encoded plaintexts of those
         that did not (added into the ciphertext), or, where no device encrypted, the clear average.
         Refuses contributions under another key (KeyMismatchError), from another backend, of another
         size, or whose weights or number could overflow a slot (EncodingError). The same sum, formed as
-        updates arrive: :class:`fedsdk.crypto.running.RunningSum`.
+        updates arrive: :class:`fedsdk.crypto.running.RunningSum`. Masked contributions (secure aggregation)
+        need the ``correction`` vector (in :meth:`mask_ring`) that removes the masks left in their sum.
         """
         from fedsdk.crypto.running import RunningSum
 
@@ -354,8 +404,8 @@ class HEBackend(abc.ABC):
             raise CryptoError("nothing to aggregate: no contributions")
         n_values = contributions[0].n_values
         self.fixed.check_group([c.weight for c in contributions])
-        running = RunningSum(self, n_values)
+        running = RunningSum(self, n_values, masked=contributions[0].masked)
         keys = [str(i) for i in range(len(contributions))]
         for key, c in zip(keys, contributions, strict=True):
             running.add(key, c)
-        return running.finish(keys)
+        return running.finish(keys, correction)

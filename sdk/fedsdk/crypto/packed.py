@@ -54,6 +54,7 @@ from fedsdk.crypto.obfuscator import (
 )
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
 from fedsdk.errors import CiphertextError, EncodingError
+from fedsdk.secagg.ring import ModRing
 
 __all__ = ["PackedPaillierBackend"]
 
@@ -92,6 +93,7 @@ class PackedPaillierBackend(PaillierFamily):
         self._plain_nbytes = (k * s + 7) // 8
         self._plain_limit = 1 << (k * s)
         self._prepared: _Prepared | None = None
+        self._ring: ModRing | None = None
 
     @classmethod
     def generate(
@@ -188,12 +190,18 @@ class PackedPaillierBackend(PaillierFamily):
 
     # ------------------------------------------------------------------ device side, fast path
     def encrypt_update(
-        self, values: np.ndarray, weight: int, mask: np.ndarray | None = None
+        self, values: np.ndarray, weight: int, mask: np.ndarray | None = None, blind: Any = None
     ) -> tuple[Contribution, EncodeReport]:
         """As :meth:`HEBackend.encrypt_update`, but plaintext packs go straight from numpy to bytes."""
         t0 = time.perf_counter()
         codes, n, w, moved = self.encode_codes(values, weight)
         packed = pack_slots(codes, self.slot_bits)
+        if blind is not None:
+            big = self.ops.from_bytes
+            ring = self.mask_ring()
+            packed = [
+                self.masked_plaintext_to_bytes(m) for m in ring.add([big(b, "little") for b in packed], blind)
+            ]
         sel = np.ones(len(packed), dtype=bool) if mask is None else np.asarray(mask, dtype=bool).ravel()
         if sel.size != len(packed):
             raise CiphertextError(f"mask has {sel.size} entries for {len(packed)} packs")
@@ -208,8 +216,45 @@ class PackedPaillierBackend(PaillierFamily):
         coins = pack_coins([o.tag for o in obfs])
         report.encrypt_seconds = time.perf_counter() - t1
         report.ciphertext_bytes = len(cts) * self.ciphertext_nbytes
-        report.plaintext_bytes = len(pts) * self._plain_nbytes
-        return Contribution(self.name, self.key_id, n, w, sel, cts, pts, coins), report
+        report.plaintext_bytes = sum(map(len, pts))
+        masked = blind is not None
+        return Contribution(self.name, self.key_id, n, w, sel, cts, pts, coins, masked), report
+
+    # ------------------------------------------------------------------ secure aggregation
+    def mask_ring(self) -> ModRing:
+        """Z_n itself: a pack uses ``k·s`` of the modulus's ``|n| − 1`` bits, which leaves no power of two
+        with room for a cluster's sum of masked packs (``fedsdk.secagg.ring``). Decision: masks modulo n;
+        the sum of masked packs, ciphertexts and plaintexts alike, is then taken modulo n as Paillier
+        takes it, and a decrypted aggregate is the plain slot sum it was before."""
+        if self._ring is None:
+            self._ring = ModRing(int(self.keys.n))
+        return self._ring
+
+    def blind_packs(self, packs: Sequence[Any], blind: Any) -> list[Any]:
+        return self.mask_ring().add([int(p) for p in packs], blind)
+
+    def masked_plaintext_to_bytes(self, p: Any) -> bytes:
+        return int(p).to_bytes(self.mask_ring().nbytes, "little")
+
+    def masked_plaintext_from_bytes(self, data: bytes) -> Any:
+        ring = self.mask_ring()
+        if len(data) != ring.nbytes:
+            raise CiphertextError(f"masked pack must be {ring.nbytes} bytes, got {len(data)}")
+        m = self.ops.from_bytes(data, "little")
+        if m >= ring.modulus:
+            raise CiphertextError("masked pack at or above n")
+        return m
+
+    def masked_add_plains(self, a: Any, b: Any) -> Any:
+        return (a + b) % self.keys.n
+
+    def masked_correction(self, blind: Any, n_values: int) -> list[Any]:
+        if len(blind) != self.num_packs(n_values):
+            raise CiphertextError(f"a correction of {len(blind)} packs for {self.num_packs(n_values)}")
+        return [self.ops.big(int(v)) for v in blind]
+
+    def masked_unwrap(self, p: Any) -> Any:
+        return p % self.keys.n
 
     def decrypt_ranks(self, agg: Aggregate, ranks: Sequence[int]) -> list[Any]:
         """Raw decryptions of ``agg.ciphertexts[r]`` for ``r`` in ``ranks``.
@@ -336,8 +381,13 @@ class PackedPaillierBackend(PaillierFamily):
         return self.ops.to_bytes(p, self._plain_nbytes, "little")
 
     def validate_contribution(self, c: Contribution) -> None:
-        """Every plaintext slot must be at most ``w·U`` (vectorised over the whole contribution)."""
+        """Every plaintext slot must be at most ``w·U`` (vectorised over the whole contribution); a masked
+        pack only below n (it is uniform on Z_n: nothing else can be checked of one device's pack)."""
         if not c.plaintexts:
+            return
+        if c.masked:
+            for p in c.plaintexts:
+                self.masked_plaintext_from_bytes(p)
             return
         if any(len(p) != self._plain_nbytes for p in c.plaintexts):
             raise CiphertextError(f"pack plaintexts must be {self._plain_nbytes} bytes each")

@@ -36,6 +36,7 @@ from fedsdk.crypto.fixedpoint import FixedPoint, clip_values
 from fedsdk.crypto.obfuscator import raw_encrypt_with
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
 from fedsdk.errors import CiphertextError, ConfigError, EncodingError, KeyMismatchError
+from fedsdk.secagg.ring import Ring
 
 __all__ = ["PaillierBackend"]
 
@@ -157,12 +158,14 @@ class PaillierBackend(PaillierFamily):
         for x in c:
             enc = sk.decrypt_encoded(x).encoding  # type: ignore[union-attr]
             if enc <= pk.max_int:
-                reps.append(enc)
+                reps.append(enc & _U64)
             elif enc >= pk.n - pk.max_int:
-                reps.append(enc - pk.n)
+                reps.append((enc - pk.n) & _U64)
             else:  # phe's decode() raises OverflowError here
                 raise CiphertextError("decrypted value in phe's overflow band: wrong key or corrupted")
-        return np.asarray(reps, dtype=np.int64)
+        # Modulo 2^64 as int64: an unmasked sum (|Σ| ≤ T·R·16^-e < 2^63) is unchanged; a sum of masked
+        # values (each below 2^64, secure aggregation) is reduced to the sum of the values (mask_ring).
+        return np.asarray(reps, dtype=np.uint64).view(np.int64)
 
     def raw_add(self, a: Any, b: Any) -> Any:
         try:
@@ -200,3 +203,42 @@ class PaillierBackend(PaillierFamily):
 
     def raw_plaintext_to_bytes(self, p: Any) -> bytes:
         return np.asarray(p, dtype="<i8").tobytes()
+
+    # ------------------------------------------------------------------ secure aggregation
+    def mask_ring(self) -> Ring:
+        """Z_{2^64}, one element per value: each masked value is below 2^64, so a cluster's sum of them
+        (at most 2^75 for 1,024 devices and the correction) stays far below phe's plaintext range n/3 and
+        is decrypted as it is; :meth:`raw_decrypt` reduces it modulo 2^64, which leaves the sum of the
+        unmasked values (their sum is below 2^63 by the bound the constructor checks)."""
+        return _RING64
+
+    def mask_count(self, n_values: int) -> int:
+        return self.num_packs(n_values) * self._pack_size
+
+    def blind_packs(self, packs: Sequence[Any], blind: Any) -> list[Any]:
+        masks = _RING64.to_codes(blind).reshape(len(packs), self._pack_size)
+        return [np.asarray(p, dtype=np.int64).view(np.uint64) + m for p, m in zip(packs, masks, strict=True)]
+
+    def masked_plaintext_to_bytes(self, p: Any) -> bytes:
+        return np.asarray(p, dtype="<u8").tobytes()
+
+    def masked_plaintext_from_bytes(self, data: bytes) -> Any:
+        if len(data) != self.plaintext_nbytes:
+            raise CiphertextError(f"masked pack must be {self.plaintext_nbytes} bytes, got {len(data)}")
+        return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+
+    def masked_add_plains(self, a: Any, b: Any) -> Any:
+        return a + b  # uint64: wraps modulo 2^64
+
+    def masked_correction(self, blind: Any, n_values: int) -> list[Any]:
+        codes = _RING64.to_codes(blind)
+        if codes.size != self.mask_count(n_values):
+            raise CiphertextError(f"a correction of {codes.size} values for {self.mask_count(n_values)}")
+        return list(codes.reshape(-1, self._pack_size))
+
+    def masked_unwrap(self, p: Any) -> Any:
+        return np.asarray(p, dtype=np.uint64).view(np.int64)
+
+
+_U64 = (1 << 64) - 1
+_RING64 = Ring(64)

@@ -81,8 +81,13 @@ def _public_backend(name: str, params_json: str, public: bytes) -> HEBackend:
 
 
 def aggregate_contributions(
-    name: str, params: Mapping[str, Any], public: bytes, contributions: Sequence[Contribution]
+    name: str,
+    params: Mapping[str, Any],
+    public: bytes,
+    contributions: Sequence[Contribution],
+    correction: Any = None,
 ) -> Aggregate:
-    """Mixed ciphertext/plaintext FedAvg sum with a public-only backend (see :meth:`HEBackend.aggregate`)."""
+    """Mixed ciphertext/plaintext FedAvg sum with a public-only backend (see :meth:`HEBackend.aggregate`;
+    ``correction``: of masked contributions)."""
     backend = _public_backend(name, json.dumps(dict(params), sort_keys=True), bytes(public))
-    return backend.aggregate(contributions)
+    return backend.aggregate(contributions, correction)

@@ -8,7 +8,10 @@ which commute exactly; the per-contribution fields of the :class:`Aggregate` (``
 laid out in the order :meth:`RunningSum.finish` is given. The tests check that any order of additions gives
 the bytes of :meth:`HEBackend.aggregate` over the same contributions.
 
-Thread safety: :meth:`add` and :meth:`finish` take a lock, so the coordinator may add from executor threads.
+Masked contributions (secure aggregation, ``masked=True``): plaintext packs are ring elements of the
+backend's ``mask_ring`` and are added in that ring; :meth:`RunningSum.finish` then needs the correction
+vector that removes the masks left in the sum, adds it to every pack (into the ciphertext where the pack
+has one) and only then decodes the packs nobody encrypted.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ class RunningSum:
     :meth:`finish`, over the contributions it is asked for.
     """
 
-    def __init__(self, backend: HEBackend, n_values: int) -> None:
+    def __init__(self, backend: HEBackend, n_values: int, *, masked: bool = False) -> None:
         self.backend = backend
+        self.masked = bool(masked)
         self.n_values = int(n_values)
         self.n_packs = backend.num_packs(self.n_values)
         self._ct: list[Any] = [None] * self.n_packs  # per pack: the product of its ciphertexts so far
@@ -61,6 +65,8 @@ class RunningSum:
         if c.backend != b.name:
             raise CryptoError(f"contribution from backend {c.backend!r} given to {b.name!r}")
         b._check_key(c.key_id, "contribution")
+        if c.masked != self.masked:
+            raise CryptoError("a masked and an unmasked contribution cannot be summed")
         if c.n_values != self.n_values or c.mask.size != self.n_packs:
             raise CiphertextError(
                 f"contribution of {c.n_values} values/{c.mask.size} packs, expected {self.n_values}"
@@ -74,7 +80,12 @@ class RunningSum:
         self._check(c)
         # Parse before touching the sum, so that a malformed ciphertext leaves it unchanged.
         cts = [b.raw_ciphertext_from_bytes(blob) for blob in c.ciphertexts]
-        plains = [b.raw_plaintext_from_bytes(blob, c.weight) for blob in c.plaintexts]
+        if self.masked:
+            plains = [b.masked_plaintext_from_bytes(blob) for blob in c.plaintexts]
+            add_plains = b.masked_add_plains
+        else:
+            plains = [b.raw_plaintext_from_bytes(blob, c.weight) for blob in c.plaintexts]
+            add_plains = b.raw_add_plains
         with self._lock:
             if key in self._added:
                 raise CryptoError(f"{key!r} is already in the sum")
@@ -86,14 +97,18 @@ class RunningSum:
                     ci += 1
                 else:
                     acc = self._plain[pack]
-                    self._plain[pack] = plains[pi] if acc is None else b.raw_add_plains(acc, plains[pi])
+                    self._plain[pack] = plains[pi] if acc is None else add_plains(acc, plains[pi])
                     pi += 1
             self._added[key] = c
 
-    def finish(self, order: Sequence[str]) -> Aggregate:
+    def finish(self, order: Sequence[str], correction: Any = None) -> Aggregate:
         """The :class:`Aggregate` of the contributions of ``order`` (exactly the keys added), with their
-        per-contribution fields in that order."""
+        per-contribution fields in that order; masked ones need the ``correction`` (a mask vector in the
+        backend's ring) that leaves the sum of the updates."""
         b = self.backend
+        if self.masked and correction is None:
+            raise CryptoError("a sum of masked contributions needs its correction")
+        fix = b.masked_correction(correction, self.n_values) if self.masked else None
         with self._lock:
             if sorted(order) != sorted(self._added) or len(set(order)) != len(order):
                 raise CryptoError("the senders to finish with are not the ones in the sum")
@@ -103,9 +118,11 @@ class RunningSum:
             total_weight = b.fixed.check_group([c.weight for c in contributions])
             out_ct: list[bytes] = []
             clear_sums: list[Any] = []
-            for acc, plain in zip(self._ct, self._plain, strict=True):
+            for pack, (acc, plain) in enumerate(zip(self._ct, self._plain, strict=True)):
+                if fix is not None:
+                    plain = fix[pack] if plain is None else b.masked_add_plains(plain, fix[pack])
                 if acc is None:
-                    clear_sums.append(plain)
+                    clear_sums.append(plain if fix is None else b.masked_unwrap(plain))
                     continue
                 if plain is not None:
                     acc = b.raw_add_plain(acc, plain)
@@ -118,5 +135,5 @@ class RunningSum:
         coins = tuple(c.coins for c in contributions)
         return Aggregate(
             b.name, b.key_id, self.n_values, total_weight, len(contributions), union, tuple(out_ct), clear,
-            members if any(coins) else members[:0], coins if any(coins) else (),
+            members if any(coins) else members[:0], coins if any(coins) else (), self.masked,
         )  # fmt: skip

@@ -229,11 +229,18 @@ def test_registry() -> None:
         DecryptShare,
         EncryptedAggregate,
         EncryptedUpdate,
+        MaskedUpdate,
+        MaskKeys,
+        MaskRelay,
+        MaskRoster,
+        MaskShares,
         ModelRequest,
         Report,
         SealedModel,
         ShareBundle,
         Sketch,
+        UnmaskRequest,
+        UnmaskShares,
     )
 
     classes = (
@@ -252,6 +259,13 @@ def test_registry() -> None:
         ShareBundle,
         ModelRequest,
         SealedModel,
+        MaskKeys,
+        MaskRoster,
+        MaskShares,
+        MaskRelay,
+        UnmaskRequest,
+        UnmaskShares,
+        MaskedUpdate,
     )
     kinds = {int(cls.KIND) for cls in classes}
     assert kinds == {int(k) for k in MessageKind}

@@ -29,6 +29,9 @@ def test_topic_tree() -> None:
         "share",
         "probe",
         "model",
+        "keys",
+        "shares",
+        "unmask",
     }
     assert set(topics.UP_KIND_OF.values()) | {topics.PROBE} == topics.UP_KINDS
 
