@@ -8,6 +8,10 @@ Plaintext FedAvg (McMahan et al. 2017, as used by SenseCrypt eq. 1): with global
 The sum runs in float64 whatever the wire dtype, in a fixed order (sorted client ids) so that the result
 is reproducible bit for bit from the same updates. A device's failure in a round is data: replies are
 updates or errors, and :func:`fedavg` raises only when no valid update is left to combine.
+
+Under secure aggregation (:func:`masked_fedavg`) the same mean comes from the devices' masked fixed-point
+codes (``fedsdk.secagg.plain``): summed modulo 2^32 with the correction that removes the masks, decoded with
+the public total weight Σ w_i; its error against the float mean of the clipped updates is at most 2^-(f+1).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsdk.errors import ProtocolError
-from fedsdk.protocol import Error, Update
+from fedsdk.protocol import Error, MaskedUpdate, Update
+from fedsdk.secagg.plain import PLAIN_FIXED, RING32, decode_sum
 
-__all__ = ["AggregateResult", "fedavg", "split_replies"]
+__all__ = ["AggregateResult", "fedavg", "masked_fedavg", "split_replies"]
 
 
 @dataclass(frozen=True)
@@ -54,5 +59,31 @@ def fedavg(global_weights: Sequence[np.ndarray], updates: Sequence[Update]) -> A
         weights=out,
         num_clients=len(ordered),
         total_samples=total,
+        client_ids=tuple(u.client_id for u in ordered),
+    )
+
+
+def masked_fedavg(
+    global_weights: Sequence[np.ndarray], updates: Sequence[MaskedUpdate], correction: list[tuple[bytes, int]]
+) -> AggregateResult:
+    """Sample-weighted FedAvg of masked updates: their codes summed modulo 2^32 with the expansion of the
+    ``correction`` terms, decoded with the public total weight, added to ``global_weights``."""
+    if not updates:
+        raise ProtocolError("no valid update to aggregate")
+    ordered = sorted(updates, key=lambda u: u.client_id)
+    n = ordered[0].n_values
+    total = RING32.expand_sum(correction, n)[:, 0].copy()
+    for u in ordered:
+        total += u.codes  # uint32: wraps modulo 2^32
+    mean = decode_sum(total, PLAIN_FIXED.check_group([u.weight for u in ordered]), PLAIN_FIXED)
+    out, pos = [], 0
+    for w in global_weights:
+        size = int(np.size(w))
+        out.append(np.asarray(w, dtype=np.float64) + mean[pos : pos + size].reshape(np.shape(w)))
+        pos += size
+    return AggregateResult(
+        weights=out,
+        num_clients=len(ordered),
+        total_samples=sum(int(u.num_samples) for u in ordered),
         client_ids=tuple(u.client_id for u in ordered),
     )

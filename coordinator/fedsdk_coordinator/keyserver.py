@@ -8,6 +8,10 @@ topic. The coordinator never holds a secret key. With the fleet ACL (``certs/``)
 topics but does not subscribe to them; on a broker without ACLs it could read the decrypted average, which
 is why fleets use mosquitto with the generated ACL.
 
+An aggregate of fewer than ``min_aggregate`` devices (default 3, ``fedsdk.secagg``) is refused, never
+decrypted: its published average would be one or two devices' updates. Under secure aggregation the
+coordinator cannot form one (the devices refuse to mask into it); the key server checks all the same.
+
 Each aggregate is decrypted once per (cluster, round) of a run of the federation: a replay of an older round
 is counted and dropped. The coordinator tags each aggregate with its run (``metrics["run"]``, kept with its
 state directory), and the decrypted one carries the tag on to the devices. An aggregate of another run than
@@ -30,6 +34,7 @@ from fedsdk.errors import ConfigError, CryptoError, TransportClosed, ValidationE
 from fedsdk.pipeline import he_aggregate_from_message
 from fedsdk.protocol import Aggregate, EncryptedAggregate, RejectCounter, decode, encode
 from fedsdk.protocol import topics as T
+from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
 from fedsdk.transport import MqttTransport
 
 __all__ = ["KeyServer"]
@@ -45,9 +50,17 @@ def _run_metric(msg: EncryptedAggregate) -> dict[str, float]:
 class KeyServer:
     """Decrypts cluster aggregates for one federation. Owns nothing but its transport's messages."""
 
-    def __init__(self, transport: MqttTransport, he: HEBackend, *, federation: str) -> None:
+    def __init__(
+        self,
+        transport: MqttTransport,
+        he: HEBackend,
+        *,
+        federation: str,
+        min_aggregate: int = DEFAULT_MIN_AGGREGATE,
+    ) -> None:
         if not he.can_decrypt:
             raise ConfigError("the key server needs the HE secret key")
+        self.min_aggregate = int(min_aggregate)
         self.transport = transport
         self.he = he
         self.federation = federation
@@ -85,6 +98,12 @@ class KeyServer:
                     log.info("an aggregate of another run of %s: rounds counted again", self.federation)
                 self.decrypted.clear()
                 self.run_tag = run
+            if msg.n_devices < self.min_aggregate:
+                raise ValidationError(
+                    "min_aggregate",
+                    f"an aggregate of {msg.n_devices} devices, fewer than min_aggregate "
+                    f"{self.min_aggregate}: its average would be too few devices' updates to publish",
+                )
             if msg.round_id <= self.decrypted.get(msg.cluster_id, 0):
                 raise ValidationError(
                     "stale_round", f"round {msg.round_id} of cluster {msg.cluster_id} again"

@@ -23,6 +23,7 @@ def refine(
     retired_ids: Collection[int] = (),
     seed: int = 0,
     min_silhouette: float | None = MIN_SILHOUETTE,
+    min_cluster_size: int = 2,
 ) -> tuple[Clustering, dict[int, int]]:
     """Split the clusters of ``previous`` again when the sketches held now show structure inside them
     (re-clustering during training: devices that joined late bring the new evidence). ``assigned`` is
@@ -31,8 +32,9 @@ def refine(
     Decision: re-clustering only ever splits. A split needs no model transfer under HE, where the model
     lives on the devices: every child starts from its parent's model, which its members hold. Moving a
     device to another existing cluster, or merging clusters, would need a model the device does not have.
-    Each cluster whose members with a sketch number at least four is clustered anew, nested, with two
-    devices at least per child; the child holding the cluster's exemplar keeps the cluster's id, the others
+    Each cluster whose members with a sketch number at least ``2 · min_cluster_size`` is clustered anew,
+    nested, with ``min_cluster_size`` devices at least per child (two; ``min_aggregate`` under secure
+    aggregation); the child holding the cluster's exemplar keeps the cluster's id, the others
     get fresh ids above every id in use or in ``retired_ids`` (an id names one model for good). Devices
     without a sketch here (held before a restart) stay in their cluster. Returns the new clustering and,
     for each new id, the id of the cluster it split from (empty when nothing splits).
@@ -50,9 +52,11 @@ def refine(
     next_id = max([*previous.exemplars, *retired_ids, -1]) + 1
     for k in sorted(previous.exemplars):
         have = {m: sketches[m] for m in members[k] if m in sketches}
-        if len(have) < 4:
+        if len(have) < 2 * min_cluster_size:
             continue
-        sub = cluster_sketches(have, seed=seed, min_cluster_size=2, min_silhouette=min_silhouette)
+        sub = cluster_sketches(
+            have, seed=seed, min_cluster_size=min_cluster_size, min_silhouette=min_silhouette
+        )
         steps.extend(replace(step, path=f"{k}/{step.path}") for step in sub.steps)
         if sub.n_clusters == 1:
             continue

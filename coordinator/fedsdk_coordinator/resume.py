@@ -43,6 +43,9 @@ class StoredRound:
     plan: RoundPlan
     state: str | None  # running | done | failed (None for the sketch round)
     replies: dict[str, tuple[BaseMessage, bytes]] = field(default_factory=dict)
+    # the masking session's messages as they arrived (client, kind, envelope) and its decisions
+    masking_log: list[tuple[str, str, bytes]] = field(default_factory=list)
+    masking_stage: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +79,9 @@ def _restore_round(store: Store, plan: RoundPlan, limits: Limits) -> StoredRound
     rnd = StoredRound(plan, state)
     for cid, env in store.replies(plan.round_id, plan.cluster_id).items():
         rnd.replies[cid] = (decode(env, limits=limits), env)
+    if plan.session:
+        rnd.masking_log = store.masking_messages(plan.round_id, plan.cluster_id)
+        rnd.masking_stage = store.masking_stage(plan.round_id, plan.cluster_id)
     return rnd
 
 

@@ -47,6 +47,7 @@ from fedsdk_coordinator.engine.cluster import run_cluster_round
 from fedsdk_coordinator.engine.config import RoundConfig, check_config
 from fedsdk_coordinator.engine.federation import FederationState
 from fedsdk_coordinator.engine.inbound import Inbound
+from fedsdk_coordinator.engine.masking import new_session, republish
 from fedsdk_coordinator.engine.outbox import Outbox, Publish
 from fedsdk_coordinator.engine.planning import group_by_cluster, plan_rounds
 from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, without_lacking
@@ -173,6 +174,8 @@ class RoundEngine(FederationState):
                 budget = rnd.budgets.get(client_id, 0.0)
                 task = self._task(rnd.round_id, rnd.cluster_id, client_id, phase=rnd.phase, budget=budget)
                 self.outbox.post(T.down(self.config.federation, client_id), task)
+            if client_id in rnd.participants:
+                republish(self, rnd, client_id)  # the masking stages it may have missed
 
     def link_restored(self) -> None:
         """The broker link is back (broker restart, network cut): what was in flight may be lost.
@@ -316,15 +319,19 @@ class RoundEngine(FederationState):
         for cid in unsketched:
             sketch_task = self._task(0, 0, cid, phase="sketch", budget=0.0)
             await self.publish(T.down(self.config.federation, cid), sketch_task)
-        samples = {r.client_id: r.num_samples for r in self.store.clients()} if self.he is not None else {}
+        fixed = self.strategy.fixed is not None
+        samples = {r.client_id: r.num_samples for r in self.store.clients()} if fixed else {}
         rounds = plan_rounds(round_id, groups, self.strategy, self.measured, samples)
         self.store.plan_round(
             [
-                RoundPlan(r.round_id, r.cluster_id, tuple(sorted(r.participants)), r.budgets, r.weight_unit)
+                RoundPlan(r.round_id, r.cluster_id, tuple(sorted(r.participants)), r.budgets, r.weight_unit,
+                          r.session)
                 for r in rounds
             ]
-        )
+        )  # fmt: skip
         for r in rounds:
+            if r.session:
+                new_session(self, r)
             self.open_rounds[r.cluster_id] = r
         return rounds
 

@@ -16,7 +16,8 @@ Everything fedsdk raises descends from :class:`FedError`. The branches follow wh
     │   ├── CiphertextError    a ciphertext out of range or of the wrong length
     │   └── EncodingError      values that cannot be encoded safely (NaN/Inf, overflow risk)
     ├── TrainingError          the model or the data on the device
-    └── UpdateWithheld         the device's self-audit found its own update leaking: it is not sent
+    ├── UpdateWithheld         the device's self-audit found its own update leaking: it is not sent
+    └── MaskingRefused         secure aggregation could not be set up as the device requires: it is not sent
 
 Foreign errors (paho, aiohttp, phe, tenseal, onnxruntime) are converted at the boundary with
 ``raise ... from exc``; where a round and a client are known they are carried on the exception.
@@ -32,6 +33,7 @@ __all__ = [
     "EncodingError",
     "FedError",
     "KeyMismatchError",
+    "MaskingRefused",
     "ProtocolError",
     "StateError",
     "TrainingError",
@@ -125,3 +127,14 @@ class UpdateWithheld(FedError):
     about to send, so the update is withheld. ``code`` is the code of the ``Error`` reply sent instead."""
 
     code = "self_audit"
+
+
+class MaskingRefused(FedError):
+    """The device does not send its update because the round's secure aggregation is not what it requires
+    (too few devices in the sum, a neighbour without a certificate of the fleet CA, no relay of its
+    partners' shares in time; :mod:`fedsdk.secagg.session`). ``code`` is the code of the ``Error`` reply
+    sent instead (``min_aggregate``, ``bad_certificate``, ``secagg_timeout``, ...)."""
+
+    def __init__(self, code: str, reason: str, *, round_id: int | None = None) -> None:
+        super().__init__(reason, round_id=round_id)
+        self.code = code

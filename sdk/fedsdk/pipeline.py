@@ -359,7 +359,10 @@ def message_from_contribution(
     cluster_id: int,
     num_samples: int,
     metrics: Mapping[str, float],
+    session: str = "",
 ) -> EncryptedUpdate:
+    if c.masked != bool(session):
+        raise CryptoError("a masked contribution goes with its session, an unmasked one without")
     cblob, clen = join_parts(c.ciphertexts)
     pblob, plen = join_parts(c.plaintexts)
     return EncryptedUpdate(
@@ -378,6 +381,7 @@ def message_from_contribution(
         plaintexts=pblob,
         metrics=dict(metrics),
         coins=c.coins,
+        session=session,
     )
 
 
@@ -391,6 +395,7 @@ def contribution_from_message(m: EncryptedUpdate) -> Contribution:
         ciphertexts=m.cipher_parts(),
         plaintexts=m.plain_parts(),
         coins=m.coins,
+        masked=bool(m.session),
     )
 
 
@@ -436,10 +441,11 @@ def he_aggregate_from_message(m: EncryptedAggregate) -> HEAggregate:
 
 
 def protect(
-    backend: HEBackend, update: np.ndarray, weight: int, mask: np.ndarray
+    backend: HEBackend, update: np.ndarray, weight: int, mask: np.ndarray, blind: Any = None
 ) -> tuple[Contribution, dict[str, float]]:
-    """Encode the weighted update and encrypt the masked packs; timings and counts for the report."""
-    contribution, report = backend.encrypt_update(update, weight, mask)
+    """Encode the weighted update, add the secure-aggregation mask vector ``blind`` when given, and
+    encrypt the packs ``mask`` selects; timings and counts for the report."""
+    contribution, report = backend.encrypt_update(update, weight, mask, blind)
     return contribution, {
         "encode_s": report.encode_seconds,
         "encrypt_s": report.encrypt_seconds,

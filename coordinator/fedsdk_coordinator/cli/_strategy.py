@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
+
 
 def _switch(g: Any, flag: str, help: str) -> None:
     """An ``auto|on|off`` option: ``auto`` keeps the strategy's default (read with :func:`_tristate`)."""
@@ -111,6 +113,21 @@ def add_strategy_options(
         "(auto: fedsdk only; docs/strategies.md)",
     )
     g.add_argument(
+        "--secagg",
+        choices=["on", "off"],
+        default="on",
+        help="secure aggregation: every update masked so that only cluster sums are readable, by the "
+        "coordinator and by any HE key holder (off: for measurements only; docs/threat-model.md)",
+    )
+    g.add_argument(
+        "--min-aggregate",
+        type=int,
+        default=DEFAULT_MIN_AGGREGATE,
+        metavar="N",
+        help=f"the fewest devices a sum may hold under secure aggregation (default {DEFAULT_MIN_AGGREGATE}); "
+        "no cluster is smaller and the quorum is at least this",
+    )
+    g.add_argument(
         "--share-wait",
         type=float,
         default=1.0,
@@ -140,4 +157,6 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mask_floor": args.mask_floor,
         "coop_decrypt": _tristate(args.coop_decrypt),
         "share_wait_s": args.share_wait,
+        "secagg": args.secagg == "on",
+        "min_aggregate": args.min_aggregate,
     }

@@ -174,7 +174,7 @@ def _run_in(work: Path, args: argparse.Namespace, co: Any) -> int:
             extra[cid] += ["--he", str(keys["device"])]
             if not strat.pool:
                 extra[cid] += ["--pool", "0"]
-        extra[cid] += ["--eval-data", str(files[cid]["eval"])]
+        extra[cid] += ["--eval-data", str(files[cid]["eval"]), "--min-aggregate", str(args.min_aggregate)]
         if args.self_audit:
             extra[cid] += ["--self-audit"]
     rounds = co.RoundConfig(
@@ -240,7 +240,8 @@ async def _federate(
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         base = [sys.executable, "-m", "fedsdk", "-v"]
         if "keyserver" in keys:
-            cmd = [*base, "keyserver", url, "--he", str(keys["keyserver"]), *extra["keyserver"]]
+            cmd = [*base, "keyserver", url, "--he", str(keys["keyserver"]), *extra["keyserver"],
+                   "--min-aggregate", str(args.min_aggregate)]  # fmt: skip
             procs["keyserver"] = _spawn(cmd, logs / "keyserver.log", env)
         for cid in ids:
             cmd = [

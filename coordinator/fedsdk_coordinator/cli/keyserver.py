@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 from fedsdk.cli._common import add_tls_options, tls_from_args
+from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
 
 
 def add_parser(sub: Any) -> None:
@@ -21,6 +22,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--federation", default=None, help="default: the kit's, else 'default'")
     p.add_argument("--client-id", default=None, help="default: the kit's, else 'keyserver'")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    p.add_argument(
+        "--min-aggregate",
+        type=int,
+        default=DEFAULT_MIN_AGGREGATE,
+        metavar="N",
+        help=f"refuse to decrypt an aggregate of fewer than N devices (default {DEFAULT_MIN_AGGREGATE})",
+    )
     add_tls_options(p)
     p.set_defaults(func=run)
 
@@ -58,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             args.broker, client_id=args.client_id, tls=tls, insecure=args.insecure
         )
         async with transport:
-            server = KeyServer(transport, he, federation=args.federation)
+            server = KeyServer(transport, he, federation=args.federation, min_aggregate=args.min_aggregate)
             print(f"key server up for federation {args.federation}")
             try:
                 await asyncio.wait_for(server.run(), args.timeout)

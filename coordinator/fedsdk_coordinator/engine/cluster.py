@@ -7,6 +7,7 @@ published again (devices apply a round once) and the round closes once the devic
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ import numpy as np
 from fedsdk.coop import part_ranks
 from fedsdk.errors import FedError
 from fedsdk.protocol import Error
+from fedsdk_coordinator.engine.masking import open_session, unmask
 from fedsdk_coordinator.engine.measure import record_slack
 from fedsdk_coordinator.engine.state import RoundState, wait, wait_with_grace
 from fedsdk_coordinator.evaluation import describe_evaluation, federated_metrics
@@ -41,8 +43,14 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
         return await _resume_aggregated(e, rnd, stored)
     await e.send_tasks(rnd)
     reached("tasks_sent", round_id)
-    quorum = min(c.min_clients, len(rnd.participants))
-    valid = await _collect(e, rnd, quorum)
+    quorum = max(min(c.min_clients, len(rnd.participants)), c.quorum_floor)
+    opening = asyncio.create_task(open_session(e, rnd)) if rnd.masking is not None else None
+    try:
+        valid = await _collect(e, rnd, quorum)
+    finally:
+        if opening is not None:  # collection ended: a stage still waiting has nothing left to wait for
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
     if not rnd.participants - set(rnd.replies):  # every participant replied: who was late is measured
         record_slack(e.measured, rnd.reply_s)
     base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
@@ -59,8 +67,16 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
             round_id, cluster_id, state="failed", num_clients=len(valid), total_samples=0, metrics=base
         )
         return False
+    summed, correction = e.strategy.summable(rnd, valid), None
+    if rnd.masking is not None:
+        summed, correction = await unmask(e, rnd, summed)
+    if rnd.masking is not None and correction is None:
+        e.store.finish_round(
+            round_id, cluster_id, state="failed", num_clients=0, total_samples=0, metrics=base
+        )
+        return False
     try:
-        agg = await _aggregate(e, rnd, valid)
+        agg = await _aggregate(e, rnd, summed, correction)
     except FedError as exc:
         log.error("round %d cluster %d: aggregation failed: %s", round_id, cluster_id, exc)
         e.store.finish_round(
@@ -95,7 +111,7 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
 async def _collect(e: RoundEngine, rnd: RoundState, quorum: int) -> list[Any]:
     await wait_with_grace(rnd.done, e.config.deadline_s, lambda: len(rnd.valid) >= quorum)
     rnd.collecting = False
-    missing = rnd.participants - set(rnd.replies)
+    missing = rnd.expected - set(rnd.replies)
     if missing:
         log.warning(
             "round %d cluster %d: no reply from %s", rnd.round_id, rnd.cluster_id, ", ".join(sorted(missing))
@@ -103,12 +119,16 @@ async def _collect(e: RoundEngine, rnd: RoundState, quorum: int) -> list[Any]:
     return rnd.valid
 
 
-async def _aggregate(e: RoundEngine, rnd: RoundState, valid: list[Any]) -> Aggregated:
-    """The strategy's aggregate, stored before it is published; under cooperative decryption, who will
-    share a part of its union and when the coordinator stops waiting for them (coop.py)."""
+async def _aggregate(
+    e: RoundEngine, rnd: RoundState, valid: list[Any], correction: list[tuple[bytes, int]] | None
+) -> Aggregated:
+    """The strategy's aggregate (with a masked round's correction), stored before it is published; under
+    cooperative decryption, who will share a part of its union and when the coordinator stops waiting for
+    them (coop.py)."""
     current = e.models.get(rnd.cluster_id, e.initial)
     evaluate = e.evaluate if e.eval_data is not None else None
-    agg = await e.strategy.aggregate(rnd, valid, AggregationInputs(current, e.executor, evaluate, e.run_tag))
+    inputs = AggregationInputs(current, e.executor, evaluate, e.run_tag, correction)
+    agg = await e.strategy.aggregate(rnd, valid, inputs)
     if agg.weights is None:
         e.store.save_encrypted(rnd.cluster_id, rnd.round_id, agg.envelope)
         e.relays.published(rnd.cluster_id, rnd.round_id)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fedsdk._chunking import MAX_MESSAGE_BYTES
 from fedsdk.errors import ConfigError
+from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
 
 __all__ = ["SKETCH_DIM", "SKETCH_DIM_DP", "RoundConfig", "check_config"]
 
@@ -59,6 +60,14 @@ class RoundConfig:
     report_timeout_s: float = 30.0
     heartbeat_s: float = 30.0  # the retained status is published again this often (devices' idle bound)
     farewell_s: float = 10.0  # after the last round, how long to wait for online devices to say goodbye
+    secagg: bool = True  # mask every update so that only cluster sums are readable (fedsdk.secagg)
+    min_aggregate: int = DEFAULT_MIN_AGGREGATE  # the fewest devices a sum may hold
+    secagg_wait_s: float = 10.0  # how long each masking stage waits for the devices' keys and shares
+
+    @property
+    def quorum_floor(self) -> int:
+        """The fewest devices a round can aggregate: ``min_aggregate`` under secure aggregation."""
+        return self.min_aggregate if self.secagg else 1
 
     @property
     def sketch_size(self) -> int:
@@ -88,3 +97,7 @@ def check_config(c: RoundConfig) -> None:
         raise ConfigError(f"recluster_after must be >= 0, got {c.recluster_after}")
     if c.key_mode not in ("shared", "keyserver"):
         raise ConfigError(f"key mode must be shared or keyserver, got {c.key_mode!r}")
+    if isinstance(c.min_aggregate, bool) or not isinstance(c.min_aggregate, int) or c.min_aggregate < 2:
+        raise ConfigError(f"min_aggregate must be an integer >= 2, got {c.min_aggregate!r}")
+    if not 0.0 < c.secagg_wait_s <= 3600.0:
+        raise ConfigError(f"secagg_wait_s must be in (0, 3600], got {c.secagg_wait_s}")

@@ -15,6 +15,7 @@ import numpy as np
 from fedsdk.protocol import Hello, Limits, RejectCounter, Sketch
 from fedsdk_coordinator.clustering import Clustering
 from fedsdk_coordinator.engine.config import RoundConfig
+from fedsdk_coordinator.engine.masking import restore_session
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState, wait
 from fedsdk_coordinator.resume import ResumeState
@@ -43,6 +44,8 @@ class FederationState:
         self.refused: dict[str, str] = {}  # devices whose data does not fit the model, and why
         self.measured: dict[str, Measured] = {}
         self.holders: set[str] = set()  # devices that hold the model (under HE, their task carries none)
+        self.certificates: dict[str, bytes] = {}  # each device's certificate, from its masking keys
+        self.certs_sent: dict[str, dict[str, bytes]] = {}  # per device: the certificates its rosters carried
         self.clusters: dict[str, int] = {}
         self.clustering: Clustering | None = None
         self.models: dict[int, list[np.ndarray]] = {}  # each cluster's plaintext model, when held
@@ -52,7 +55,7 @@ class FederationState:
         self.resumed: list[RoundState] = []  # the round in progress when the previous instance stopped
         self.joined = asyncio.Event()  # set when ``need`` devices are online
         self.presence = asyncio.Event()  # set on every hello and goodbye
-        self.need = max(config.min_clients, config.start_clients)
+        self.need = max(config.min_clients, config.start_clients, config.quorum_floor)
         # hellos (and sketches that came after a failed sketch round) taken so far: a failed round runs
         # again after a new one
         self.arrivals = 0
@@ -81,7 +84,7 @@ class FederationState:
         self.holders = set(saved.holders)
         self.measured = {cid: Measured.from_dict(m) for cid, m in saved.measured.items()}
         if self.completed_round > 0 or saved.rounds or saved.sketch is not None:
-            self.need = self.config.min_clients  # the federation had started: the quorum is enough
+            self.need = self.min_online  # the federation had started: the quorum is enough
         if saved.sketch is not None:
             self.sketch_round = RoundState.restored(saved.sketch, phase="sketch")
             for cid, msg in self.sketch_round.replies.items():
@@ -89,6 +92,10 @@ class FederationState:
                     self.sketches[cid] = np.asarray(msg.vector, dtype=np.float64)
         for stored in saved.rounds:
             rnd = RoundState.restored(stored)
+            if rnd.session:
+                c = self.config
+                restore_session(rnd, c.federation, c.min_aggregate, stored.masking_log, stored.masking_stage,
+                                self.limits)  # fmt: skip
             self.open_rounds[rnd.cluster_id] = rnd
             self.resumed.append(rnd)
         log.info(
@@ -134,12 +141,19 @@ class FederationState:
             await wait(self.presence, left)
         return True
 
+    @property
+    def min_online(self) -> int:
+        """Devices a round needs online: the quorum, and under secure aggregation ``min_aggregate``."""
+        return max(self.config.min_clients, self.config.quorum_floor)
+
     async def wait_quorum(self, round_id: int) -> bool:
         c = self.config
-        while len(self.online) < c.min_clients:
+        while len(self.online) < self.min_online:
             self.joined.clear()
-            log.info("round %d waits for devices: %d of %d online", round_id, len(self.online), c.min_clients)
+            log.info(
+                "round %d waits for devices: %d of %d online", round_id, len(self.online), self.min_online
+            )
             if not await wait(self.joined, c.join_timeout_s):
                 return False
-        self.need = c.min_clients  # after the first round, the quorum is enough
+        self.need = self.min_online  # after the first round, the quorum is enough
         return True

@@ -29,9 +29,13 @@ from fedsdk.protocol import (
     EncryptedUpdate,
     Error,
     Hello,
+    MaskedUpdate,
+    MaskKeys,
+    MaskShares,
     Report,
     SealedModel,
     Sketch,
+    UnmaskShares,
     Update,
     decode,
     is_declined,
@@ -39,6 +43,7 @@ from fedsdk.protocol import (
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import check_kind
 from fedsdk_coordinator.clustering import assign_nearest
+from fedsdk_coordinator.engine.masking import on_masking
 from fedsdk_coordinator.engine.measure import Measured, record_report, record_update
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.failpoints import reached
@@ -85,9 +90,12 @@ class Inbound:
                 self._share(client_id, msg)
             elif isinstance(msg, SealedModel):
                 e.relays.on_sealed(client_id, msg, payload, e.online)
+            elif isinstance(msg, MaskKeys | MaskShares | UnmaskShares):
+                self._seen(client_id)
+                on_masking(e, client_id, msg, payload)
             elif isinstance(msg, Error) and msg.code == DATA_MISMATCH:
                 self._refused(client_id, msg)
-            elif isinstance(msg, Update | EncryptedUpdate | Error):
+            elif isinstance(msg, Update | EncryptedUpdate | MaskedUpdate | Error):
                 self._reply(client_id, msg, payload)
         except ValidationError as exc:
             e.rejected.add(exc.code)
@@ -104,6 +112,7 @@ class Inbound:
         e.store.upsert_client(client_id, hello.num_samples, facts)
         again = client_id in e.hellos  # a device re-announcing itself (it reconnected)
         e.hellos[client_id] = hello
+        e.certs_sent.pop(client_id, None)  # a new process of the device holds no neighbour's certificate
         e.online[client_id] = hello
         m = e.measured.setdefault(client_id, Measured())
         if hello.he_values_per_s and not again:  # later estimates come from the device's real rounds
@@ -187,6 +196,7 @@ class Inbound:
                     "round %d cluster %d: %s left without replying", rnd.round_id, rnd.cluster_id, client_id
                 )
             rnd.gone.add(client_id)
+            rnd.progress.set()  # a masking stage need not wait for it
             rnd.check_done()
             rnd.check_reported()
 
@@ -239,7 +249,9 @@ class Inbound:
         sk.check_done()
 
     # -- a cluster's round -----------------------------------------------------------------------------
-    def _reply(self, client_id: str, msg: Update | EncryptedUpdate | Error, payload: bytes) -> None:
+    def _reply(
+        self, client_id: str, msg: Update | EncryptedUpdate | MaskedUpdate | Error, payload: bytes
+    ) -> None:
         e = self.e
         sk = e.sketch_round
         if isinstance(msg, Error) and msg.round_id == 0 and sk is not None and client_id in sk.participants:
@@ -256,6 +268,9 @@ class Inbound:
             raise ValidationError("stale_round", f"reply for round {msg.round_id} outside that round")
         if client_id not in rnd.participants:
             raise ValidationError("not_participant", f"{client_id} got no task in round {rnd.round_id}")
+        masked = rnd.masking
+        if masked is not None and not isinstance(msg, Error) and client_id not in (masked.partners_set or ()):
+            raise ValidationError("not_partner", f"{client_id} is not among the devices that mask together")
         e.strategy.check_reply(msg, rnd, client_id)
         status = "update"
         if isinstance(msg, Error):
@@ -272,6 +287,7 @@ class Inbound:
         self._seen(client_id)
         if isinstance(msg, Error):
             self._failed(rnd.round_id, rnd.cluster_id, client_id, msg)
+            rnd.progress.set()  # a masking stage need not wait for it
         else:
             rnd.reply_s[client_id] = metrics["reply_s"]
             self.measure(client_id, msg)
@@ -282,7 +298,7 @@ class Inbound:
         elif len(rnd.replies) == 1:
             reached("reply_stored", rnd.round_id)
 
-    def measure(self, client_id: str, msg: Update | EncryptedUpdate) -> None:
+    def measure(self, client_id: str, msg: Update | EncryptedUpdate | MaskedUpdate) -> None:
         """Learn the device's speeds from an accepted update."""
         record_update(self.e.measured.setdefault(client_id, Measured()), msg, self.e.he)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedsdk.crypto import HEBackend
-from fedsdk.protocol import EncryptedUpdate, Report, Update
+from fedsdk.protocol import EncryptedUpdate, MaskedUpdate, Report, Update
 from fedsdk_coordinator.budgets import DeviceCapacity
 
 __all__ = ["RECENT", "Measured", "capacity", "record_report", "record_slack", "record_update"]
@@ -75,7 +75,7 @@ class Measured:
         return cls(**kept)
 
 
-def record_update(m: Measured, msg: Update | EncryptedUpdate, he: HEBackend | None) -> None:
+def record_update(m: Measured, msg: Update | EncryptedUpdate | MaskedUpdate, he: HEBackend | None) -> None:
     """Learn from the timings an accepted update reports."""
     train_s = msg.metrics.get("train_s", 0.0)  # finite (protocol), but a device may send anything
     if train_s > 0:

@@ -4,10 +4,11 @@ decryption share (the strategy's), and the FedAvg weight unit of each cluster un
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 
-from fedsdk.crypto import HEBackend
+from fedsdk.crypto import FixedPoint
 from fedsdk.errors import EncodingError
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
@@ -40,27 +41,30 @@ def plan_rounds(
     measured: Mapping[str, Measured],
     samples: Mapping[str, int],
 ) -> list[RoundState]:
-    """One :class:`RoundState` per cluster, with the strategy's shares and budgets for its members and
-    the weight unit of their announced sample counts."""
+    """One :class:`RoundState` per cluster, with the strategy's shares and budgets for its members, the
+    weight unit of their announced sample counts, and a new masking session id when the strategy masks."""
     now = time.monotonic()
     rounds = []
     for k, members in sorted(groups.items()):
         shares = strategy.shares(ClusterPlan(members, k, measured))
         budgets = strategy.budgets(ClusterPlan(members, k, measured, shares))
-        unit = weight_unit(strategy.he, [samples.get(cid, 1) for cid in members])
+        unit = weight_unit(strategy.fixed, [samples.get(cid, 1) for cid in members])
+        session = secrets.token_hex(8) if strategy.secagg else ""
         rounds.append(
-            RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit)
-        )
+            RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit,
+                       session=session)
+        )  # fmt: skip
     return rounds
 
 
-def weight_unit(he: HEBackend | None, counts: list[int]) -> int:
+def weight_unit(fixed: FixedPoint | None, counts: list[int]) -> int:
     """Samples per unit of FedAvg weight for a round of devices with these sample counts (their hellos')
-    under HE, so that their weights fit the slots (``FixedPoint.weight_unit``); 1 in plaintext."""
-    if he is None:
+    when updates are fixed-point (under HE or masked), so that their weights fit the slots
+    (``FixedPoint.weight_unit``); 1 for float updates."""
+    if fixed is None:
         return 1
     try:
-        return he.fixed.weight_unit(counts)
+        return fixed.weight_unit(counts)
     except EncodingError as exc:  # more devices than the slots allow: aggregation will say so
         log.error("%s", exc)
         return 1

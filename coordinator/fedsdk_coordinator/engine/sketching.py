@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fedsdk.protocol import Error, is_declined
 from fedsdk_coordinator.clustering import cluster_sketches, describe
+from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.state import RoundState, wait_with_grace
 from fedsdk_coordinator.refine import refine
 from fedsdk_coordinator.store import RoundPlan
@@ -19,12 +20,17 @@ from fedsdk_coordinator.store import RoundPlan
 if TYPE_CHECKING:
     from fedsdk_coordinator.rounds import RoundEngine
 
-__all__ = ["refine_clusters", "run_sketch_round"]
+__all__ = ["min_cluster_devices", "refine_clusters", "run_sketch_round"]
 
 log = logging.getLogger("fedsdk_coordinator.rounds")
 progress = logging.getLogger("fedsdk.progress.rounds")  # the CLI shows these lines by default
 
 MIN_CLUSTER_DEVICES = 2
+
+
+def min_cluster_devices(c: RoundConfig) -> int:
+    """The fewest devices a cluster may hold: two, and ``min_aggregate`` under secure aggregation."""
+    return max(MIN_CLUSTER_DEVICES, c.quorum_floor)
 
 
 async def run_sketch_round(e: RoundEngine) -> str:
@@ -60,8 +66,11 @@ async def run_sketch_round(e: RoundEngine) -> str:
     # Decision: no cluster of one device (a device training alone); its members join the nearest exemplar.
     # Measured: a Dirichlet α = 0.1 fleet split into 8 clusters of 12 devices at silhouette 0.258, and the
     # devices left alone or in pairs lost up to 15 points against the global model (docs/clustering.md).
+    # Under secure aggregation no cluster is smaller than min_aggregate: a smaller one could never form a
+    # sum its devices accept, and its sum would be too few devices' updates (docs/threat-model.md).
+    least = min_cluster_devices(c)
     e.clustering = await loop.run_in_executor(
-        None, lambda: cluster_sketches(sketches, seed=c.seed, min_cluster_size=MIN_CLUSTER_DEVICES)
+        None, lambda: cluster_sketches(sketches, seed=c.seed, min_cluster_size=least)
     )
     e.store.save_clustering(e.clustering)
     e.clusters.update(e.clustering.labels)
@@ -76,8 +85,10 @@ async def refine_clusters(e: RoundEngine, round_id: int) -> None:
     assert e.clustering is not None
     previous, sketches, assigned = e.clustering, dict(e.sketches), dict(e.clusters)
     loop = asyncio.get_running_loop()
+    least = min_cluster_devices(e.config)
     new, parents = await loop.run_in_executor(
-        None, lambda: refine(previous, sketches, assigned=assigned, seed=e.config.seed)
+        None,
+        lambda: refine(previous, sketches, assigned=assigned, seed=e.config.seed, min_cluster_size=least),
     )
     e.clustering = new
     if not parents:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fedsdk.protocol import BaseMessage, DecryptShare, Error, Report, is_declined
 from fedsdk_coordinator.resume import StoredRound
+from fedsdk_coordinator.secagg import MaskingRound
 
 __all__ = ["RoundState", "failure_summary", "wait", "wait_with_grace", "within_total_weight"]
 
@@ -41,13 +42,26 @@ class RoundState:
     share_timer: asyncio.TimerHandle | None = None
     gone: set[str] = field(default_factory=set)  # participants that said goodbye without replying/reporting
     applied: set[str] = field(default_factory=set)  # repliers whose hello says they hold this round's model
+    session: str = ""  # the secure-aggregation session ("": unmasked), engine/masking.py
+    masking: MaskingRound | None = None
+    masking_failed: str = ""  # why the session could not form a sum (the round fails with it)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set by every masking message, goodbye
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reported: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def expected(self) -> set[str]:
+        """Whose replies the round waits for: the participants, or in a masked round once the shares are
+        relayed, the partners (no other device's update can enter the sum)."""
+        m = self.masking
+        if m is not None and m.partners_set is not None:
+            return set(m.partners_set)
+        return self.participants
+
+    @property
     def waiting_for(self) -> list[str]:
         """Participants without a reply, while the round still takes replies."""
-        return sorted(self.participants - set(self.replies) - self.gone) if self.collecting else []
+        return sorted(self.expected - set(self.replies) - self.gone) if self.collecting else []
 
     @property
     def valid(self) -> list[Any]:
@@ -60,8 +74,9 @@ class RoundState:
         return sorted(c for c, r in self.replies.items() if isinstance(r, Error) and is_declined(r.code))
 
     def check_done(self) -> None:
-        """Every participant that has not left has replied: the round need not wait for its deadline."""
-        if self.participants - self.gone <= set(self.replies):
+        """Every participant that has not left has replied (or the masking session failed): the round need
+        not wait for its deadline."""
+        if self.expected - self.gone <= set(self.replies) or self.masking_failed:
             self.done.set()
 
     def check_reported(self) -> None:
@@ -78,7 +93,7 @@ class RoundState:
     def restored(cls, stored: StoredRound, phase: str = "train") -> RoundState:
         p = stored.plan
         rnd = cls(p.round_id, p.cluster_id, set(p.participants), time.monotonic(), dict(p.budgets), phase)
-        rnd.weight_unit = p.weight_unit
+        rnd.weight_unit, rnd.session = p.weight_unit, p.session
         for cid, (msg, env) in stored.replies.items():
             rnd.replies[cid], rnd.raw[cid] = msg, env
         rnd.check_done()
@@ -97,6 +112,8 @@ def failure_summary(rnd: RoundState, min_clients: int) -> str:
         out += f"; {len(errors)} device errors, e.g. {cid}: {err.code}: {err.reason[:160]}"
     if rnd.declined:
         out += f"; {len(rnd.declined)} declined ({', '.join(rnd.declined[:5])})"
+    if rnd.masking_failed:
+        out += f"; secure aggregation: {rnd.masking_failed}"
     missing = sorted(rnd.participants - set(rnd.replies))
     if missing:
         out += f"; no reply from {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")

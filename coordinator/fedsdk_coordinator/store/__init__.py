@@ -18,6 +18,7 @@ Resume state (see ``docs/operations.md``, "Crash and restart"):
 * ``assignments``: client -> cluster (clustering labels and late joiners); the clustering itself (labels,
   exemplars, centers) is JSON under the meta key ``clustering``;
 * ``holders``: the devices known to hold their cluster's model (under HE their tasks carry no weights);
+* ``secagg``, ``secagg_stage``: the masking messages and decisions of the round in progress (:mod:`.masking`);
 * meta ``completed_round``, ``identity`` (what federation the state belongs to) and ``measured``.
 
 The package, one module per concern: :mod:`.base` (the schema, the connection, transactions, the meta table),
@@ -35,11 +36,12 @@ from __future__ import annotations
 
 from fedsdk_coordinator.store.checkpoints import CheckpointTables
 from fedsdk_coordinator.store.devices import DeviceTables
+from fedsdk_coordinator.store.masking import MaskingTables
 from fedsdk_coordinator.store.records import ClientRecord, RoundPlan, RoundRecord, pack_arrays, unpack_arrays
 from fedsdk_coordinator.store.rounds import RoundTables
 
 __all__ = ["ClientRecord", "RoundPlan", "RoundRecord", "Store", "pack_arrays", "unpack_arrays"]
 
 
-class Store(DeviceTables, RoundTables, CheckpointTables):
+class Store(DeviceTables, RoundTables, CheckpointTables, MaskingTables):
     """The coordinator's durable state. Use as a context manager or call :meth:`close`."""

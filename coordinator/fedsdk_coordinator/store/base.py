@@ -89,6 +89,20 @@ CREATE TABLE IF NOT EXISTS aggregates (
 );
 CREATE TABLE IF NOT EXISTS assignments (client_id TEXT PRIMARY KEY, cluster_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS holders (client_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS secagg (
+    round_id INTEGER NOT NULL,
+    cluster_id INTEGER NOT NULL,
+    client_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    envelope BLOB NOT NULL,
+    PRIMARY KEY (round_id, cluster_id, client_id, kind)
+);
+CREATE TABLE IF NOT EXISTS secagg_stage (
+    round_id INTEGER NOT NULL,
+    cluster_id INTEGER NOT NULL,
+    stage TEXT NOT NULL,
+    PRIMARY KEY (round_id, cluster_id)
+);
 CREATE TABLE IF NOT EXISTS declines (
     client_id TEXT NOT NULL,
     code TEXT NOT NULL,
@@ -114,6 +128,8 @@ class StoreBase:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(round_plan)")}
         if "weight_unit" not in columns:  # a store written before the weight unit: every unit was 1
             self._db.execute("ALTER TABLE round_plan ADD COLUMN weight_unit INTEGER NOT NULL DEFAULT 1")
+        if "session" not in columns:  # a store written before secure aggregation: no round was masked
+            self._db.execute("ALTER TABLE round_plan ADD COLUMN session TEXT NOT NULL DEFAULT ''")
 
     def __enter__(self: _S) -> _S:
         return self

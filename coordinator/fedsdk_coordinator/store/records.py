@@ -47,6 +47,7 @@ class RoundPlan:
     participants: tuple[str, ...]
     budgets: Mapping[str, float]
     weight_unit: int = 1  # samples per unit of FedAvg weight under HE (FixedPoint.weight_unit)
+    session: str = ""  # the round's secure-aggregation session id ("": unmasked)
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,14 @@ class RoundTables(StoreBase):
             for p in plans:
                 db.execute(
                     "INSERT OR REPLACE INTO round_plan(round_id, cluster_id, participants, budgets, "
-                    "weight_unit) VALUES (?, ?, ?, ?, ?)",
+                    "weight_unit, session) VALUES (?, ?, ?, ?, ?, ?)",
                     (
                         p.round_id,
                         p.cluster_id,
                         json.dumps(sorted(p.participants)),
                         json.dumps({c: float(b) for c, b in p.budgets.items()}, sort_keys=True),
                         int(p.weight_unit),
+                        p.session,
                     ),
                 )
                 if p.round_id > 0:  # the sketch round (0) is not a training round: no rounds row
@@ -47,12 +48,14 @@ class RoundTables(StoreBase):
 
     def round_plans(self, round_id: int) -> list[RoundPlan]:
         rows = self.db.execute(
-            "SELECT cluster_id, participants, budgets, weight_unit FROM round_plan WHERE round_id=? "
+            "SELECT cluster_id, participants, budgets, weight_unit, session FROM round_plan WHERE round_id=? "
             "ORDER BY cluster_id",
             (round_id,),
         ).fetchall()
         return [
-            RoundPlan(round_id, int(r[0]), tuple(json.loads(r[1])), dict(json.loads(r[2])), int(r[3]))
+            RoundPlan(
+                round_id, int(r[0]), tuple(json.loads(r[1])), dict(json.loads(r[2])), int(r[3]), str(r[4])
+            )
             for r in rows
         ]
 
@@ -74,6 +77,8 @@ class RoundTables(StoreBase):
                     (json.dumps(dict(measured), sort_keys=True),),
                 )
             db.execute("DELETE FROM replies WHERE round_id>0 AND round_id<=?", (round_id,))
+            db.execute("DELETE FROM secagg WHERE round_id<=?", (round_id,))
+            db.execute("DELETE FROM secagg_stage WHERE round_id<=?", (round_id,))
 
     def completed_round(self) -> int | None:
         raw = self.get_meta("completed_round")
@@ -129,8 +134,12 @@ class RoundTables(StoreBase):
         return {str(r[0]): bytes(r[1]) for r in rows}
 
     def drop_replies(self, round_id: int) -> None:
-        """Forget the stored replies of a round that failed (it runs again with a new plan)."""
-        self.db.execute("DELETE FROM replies WHERE round_id=?", (round_id,))
+        """Forget the stored replies (and masking state) of a round that failed (it runs again with a new
+        plan)."""
+        with self._tx() as db:
+            db.execute("DELETE FROM replies WHERE round_id=?", (round_id,))
+            db.execute("DELETE FROM secagg WHERE round_id=?", (round_id,))
+            db.execute("DELETE FROM secagg_stage WHERE round_id=?", (round_id,))
 
     # -- rounds -------------------------------------------------------------------------------
     def start_round(self, round_id: int, cluster_id: int) -> None:

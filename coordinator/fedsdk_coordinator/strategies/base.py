@@ -35,10 +35,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedsdk.crypto import HEBackend
-from fedsdk.errors import ConfigError
+from fedsdk.crypto import FixedPoint, HEBackend
+from fedsdk.errors import ConfigError, CryptoError
 from fedsdk.masking import parse_floors
 from fedsdk.protocol import BaseMessage
+from fedsdk.secagg.plain import PLAIN_FIXED
 from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
@@ -67,6 +68,8 @@ class AggregationInputs:
     executor: Executor | None = None
     evaluate: Callable[[list[np.ndarray]], dict[str, float]] | None = None
     run: int = 0  # the federation's run (Store.run_tag): the aggregate message carries it
+    # a masked round's correction: (seed, sign) terms whose expansion removes the masks left in the sum
+    correction: list[tuple[bytes, int]] | None = None
 
     def tag(self, metrics: Mapping[str, float]) -> dict[str, float]:
         """The aggregate message's metrics: ``metrics`` and the run."""
@@ -132,6 +135,16 @@ class Strategy:
                 raise ConfigError(f"strategy {self.name} uses {self.backend}, the key is {he.name}")
         self.he = he if self.backend is not None else None
         self.clustered = self.clustering if config.clustering is None else config.clustering
+        self.secagg = bool(config.secagg)
+        if self.secagg and self.he is not None:
+            try:
+                self.he.mask_ring()
+            except CryptoError as exc:
+                raise ConfigError(f"{exc}; run this backend with secure aggregation off") from None
+        # the fixed point of the updates (under HE, or masked plaintext): the weight unit is planned for it
+        self.fixed: FixedPoint | None = (
+            self.he.fixed if self.he is not None else (PLAIN_FIXED if self.secagg else None)
+        )
 
     # -- plan ---------------------------------------------------------------------------------------
     def shares(self, plan: ClusterPlan) -> dict[str, tuple[float, float]]:
@@ -153,6 +166,11 @@ class Strategy:
         """``ValidationError`` for an update (``Update`` or ``EncryptedUpdate``) this strategy cannot
         aggregate into ``rnd``."""
         raise NotImplementedError
+
+    def summable(self, rnd: RoundState, valid: list[Any]) -> list[Any]:
+        """The valid updates that go into the sum, in the order they are summed (a masked round names
+        exactly these in its unmask request)."""
+        return sorted(valid, key=lambda u: u.client_id)
 
     def accepted(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
         """``sender``'s update ``msg``, checked, is held for ``rnd`` (called on the event loop; never

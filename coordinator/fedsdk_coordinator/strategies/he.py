@@ -91,6 +91,11 @@ class HEStrategy(Strategy):
         if not isinstance(msg, EncryptedUpdate):
             return
         he, unit = self.public, rnd.weight_unit
+        if msg.session != rnd.session:
+            raise ValidationError(
+                "wrong_session",
+                f"an update of session {msg.session or '(none)'}, the round's is {rnd.session or '(none)'}",
+            )
         if msg.backend != he.name:
             raise ValidationError(
                 "wrong_backend", f"backend {msg.backend!r}, the federation uses {he.name!r}"
@@ -120,7 +125,7 @@ class HEStrategy(Strategy):
             return
         running = self._running.get(rnd.cluster_id)
         if running is None or running.round_id != rnd.round_id:
-            running = _Running(rnd.round_id, RunningSum(self.public, self.n_values))
+            running = _Running(rnd.round_id, RunningSum(self.public, self.n_values, masked=bool(rnd.session)))
             self._running[rnd.cluster_id] = running
         if sender in running.updates:
             running.broken = True
@@ -138,10 +143,24 @@ class HEStrategy(Strategy):
             return
         running.adding.append(loop.run_in_executor(None, running.total.add, sender, contribution))
 
-    async def _sum(self, rnd: RoundState, ordered: list[Any], executor: Any) -> tuple[HEAggregate, str]:
-        """The aggregate of ``ordered``: finished from the running sum when it holds exactly those updates,
-        else formed from them in the process pool; and which of the two it was."""
+    def summable(self, rnd: RoundState, valid: list[Any]) -> list[Any]:
+        return within_total_weight(super().summable(rnd, valid), self.public.fixed.max_total, rnd)
+
+    def _correction(self, terms: list[tuple[bytes, int]] | None) -> Any:
+        """A masked round's correction terms expanded in the backend's mask ring (in a worker)."""
+        if terms is None:
+            return None
         he = self.public
+        return he.mask_ring().expand_sum(terms, he.mask_count(self.n_values))
+
+    async def _sum(
+        self, rnd: RoundState, ordered: list[Any], executor: Any, terms: list[tuple[bytes, int]] | None = None
+    ) -> tuple[HEAggregate, str]:
+        """The aggregate of ``ordered`` (plus a masked round's correction ``terms``): finished from the
+        running sum when it holds exactly those updates, else formed from them in the process pool; and
+        which of the two it was."""
+        he = self.public
+        correction = await self._off_loop(None, self._correction, terms) if terms is not None else None
         running = self._running.pop(rnd.cluster_id, None)
         if running is not None and running.round_id == rnd.round_id:
             results = await asyncio.gather(*running.adding, return_exceptions=True)
@@ -153,18 +172,23 @@ class HEStrategy(Strategy):
             )
             if same and not failed and not running.broken:
                 order = [u.client_id for u in ordered]
-                return await self._off_loop(None, running.total.finish, order), "arrival"
+                return await self._off_loop(None, running.total.finish, order, correction), "arrival"
         contributions = [pipeline.contribution_from_message(u) for u in ordered]
         he_agg = await self._off_loop(
-            executor, aggregate_contributions, he.name, he.params, he.public_bytes(), contributions
+            executor,
+            aggregate_contributions,
+            he.name,
+            he.params,
+            he.public_bytes(),
+            contributions,
+            correction,
         )
         return he_agg, "pool"
 
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
-        he = self.public
-        ordered = within_total_weight(sorted(valid, key=lambda u: u.client_id), he.fixed.max_total, rnd)
+        ordered = valid  # the engine passes what summable() chose (a masked round named them to unmask)
         t0 = time.perf_counter()
-        he_agg, how = await self._sum(rnd, ordered, inputs.executor)
+        he_agg, how = await self._sum(rnd, ordered, inputs.executor, inputs.correction)
         metrics: dict[str, Any] = {
             "aggregate_s": time.perf_counter() - t0,
             "summed_on_arrival": float(how == "arrival"),

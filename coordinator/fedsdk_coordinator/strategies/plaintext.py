@@ -1,6 +1,13 @@
-"""``plaintext``: FedAvg of float updates (McMahan et al. 2017), the baseline every strategy is measured
-against. The coordinator holds the model: it averages, evaluates it on its own data when it has some, and
-can export it."""
+"""``plaintext``: FedAvg of updates the coordinator can read as a sum only (McMahan et al. 2017, with secure
+aggregation: Bonawitz et al. 2017, Bell et al. 2020 — what Flower users know as SecAgg+), the baseline every
+strategy is measured against. The coordinator holds the model: it averages, evaluates it on its own data
+when it has some, and can export it.
+
+Masked (the default, ``RoundConfig.secagg``): each device sends its fixed-point codes masked in Z_{2^32}
+(:class:`~fedsdk.protocol.MaskedUpdate`, :mod:`fedsdk.secagg.plain`); the coordinator adds them, adds the
+correction that removes the masks, and decodes the cluster's weighted mean: it never reads one device's
+update. Unmasked (``secagg=False``): float updates averaged as they are.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from fedsdk.errors import ValidationError
-from fedsdk.protocol import Aggregate, BaseMessage, EncryptedUpdate, Update, encode
+from fedsdk.protocol import Aggregate, BaseMessage, EncryptedUpdate, MaskedUpdate, Update, encode
 from fedsdk.protocol.validate import check_update
-from fedsdk_coordinator.aggregate import fedavg
+from fedsdk.secagg.plain import PLAIN_FIXED
+from fedsdk_coordinator.aggregate import fedavg, masked_fedavg
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
 
@@ -27,13 +35,30 @@ class FedAvg(Strategy):
     def check_reply(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
         if isinstance(msg, EncryptedUpdate):
             raise ValidationError("wrong_kind", "an encrypted update in a plaintext federation")
+        if isinstance(msg, Update) and rnd.session:
+            raise ValidationError("wrong_kind", "an unmasked update in a round under secure aggregation")
+        if isinstance(msg, MaskedUpdate):
+            if msg.session != rnd.session:
+                raise ValidationError("wrong_session", f"an update masked for session {msg.session}")
+            if msg.n_values != self.n_values:
+                raise ValidationError("wrong_shape", f"{msg.n_values} values, the model has {self.n_values}")
+            if msg.weight != PLAIN_FIXED.quantise_weight(msg.num_samples, rnd.weight_unit):
+                raise ValidationError(
+                    "bad_field", f"the weight must be the sample count in units of {rnd.weight_unit} samples"
+                )
         if isinstance(msg, Update):
             check_update(
                 msg, round_id=rnd.round_id, cluster_id=rnd.cluster_id, shapes=self.shapes, sender=sender
             )
 
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
-        result = await self._off_loop(inputs.executor, fedavg, inputs.current, valid)
+        if rnd.session:
+            assert inputs.correction is not None
+            result = await self._off_loop(
+                inputs.executor, masked_fedavg, inputs.current, valid, inputs.correction
+            )
+        else:
+            result = await self._off_loop(inputs.executor, fedavg, inputs.current, valid)
         new = [w.astype(np.float32) for w in result.weights]
         metrics: dict[str, Any] = {}
         if inputs.evaluate is not None:

@@ -41,6 +41,7 @@ from typing import Any
 from fedsdk.cli._common import add_tls_options, column_names, tls_from_args
 from fedsdk.errors import ConfigError
 from fedsdk.heap import freeze_long_lived
+from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
 
 #: Fine-tune epochs after each round for a device with held-out data, unless --personal-epochs says otherwise.
 DEFAULT_PERSONAL_EPOCHS = 5
@@ -152,6 +153,14 @@ def add_parser(sub: Any) -> None:
         metavar="DB",
         help="the PSNR at which a recovered local sample withholds the update (default 25)",
     )
+    p.add_argument(
+        "--min-aggregate",
+        type=int,
+        default=DEFAULT_MIN_AGGREGATE,
+        metavar="N",
+        help="refuse to put this device's update into a sum of fewer than N devices (secure aggregation; "
+        f"default {DEFAULT_MIN_AGGREGATE}): the round goes on without it",
+    )
     cond = p.add_argument_group(
         "run conditions", "decline a round (the coordinator goes on without this device) unless these hold"
     )
@@ -242,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             conditions=conditions,
             personal_epochs=personal_epochs,
             state_dir=args.state_dir,
+            min_aggregate=args.min_aggregate,
         ) as client:
             freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
             summary = await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)

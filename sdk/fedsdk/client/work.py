@@ -43,12 +43,14 @@ import numpy as np
 
 from fedsdk import pipeline
 from fedsdk.client.link import Link
+from fedsdk.client.masking import Masking, session_of
 from fedsdk.client.state import DeviceState, Pending, RoundRecord, model_input, run_of
 from fedsdk.conditions import RunConditions, Verdict
 from fedsdk.crypto.pool import auto_capacity
 from fedsdk.errors import (
     ConfigError,
     FedError,
+    MaskingRefused,
     TrainingError,
     TransportError,
     UpdateWithheld,
@@ -56,9 +58,11 @@ from fedsdk.errors import (
 )
 from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
 from fedsdk.noise import noise_clear, rdp_epsilon
-from fedsdk.protocol import BaseMessage, Error, Sketch, Task, Update, encode
+from fedsdk.protocol import BaseMessage, Error, MaskedUpdate, Sketch, Task, Update, encode
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import check_task
+from fedsdk.secagg.plain import PLAIN_FIXED, RING32, encode_masked
+from fedsdk.secagg.ring import MaskRing
 from fedsdk.selfaudit import check_threshold, self_audit
 
 __all__ = ["TaskSteps", "Tasks", "Work"]
@@ -67,6 +71,7 @@ log = logging.getLogger(__name__)
 progress = logging.getLogger("fedsdk.progress")  # a declined round's line; the CLI shows it by default
 
 Base = list[np.ndarray]
+BlindFor = Callable[[Task, MaskRing, int], Any]  # a masked round's mask vector (client/masking.py)
 
 
 class TaskSteps(NamedTuple):
@@ -86,10 +91,13 @@ class _Answer:
     phase: str
     kind: str
     payload: bytes
+    session: str | None = None  # the masking session the reply was made for (client/masking.py)
 
     def answers(self, task: Task, phase: str) -> bool:
-        """Is ``task`` the task this reply answered (same round, cluster and phase; any epoch)?"""
-        return (self.round_id, self.cluster_id, self.phase) == (task.round_id, task.cluster_id, phase)
+        """Is ``task`` the task this reply answered (same round, cluster, phase and masking session; any
+        epoch)?"""
+        mine = (self.round_id, self.cluster_id, self.phase, self.session)
+        return mine == (task.round_id, task.cluster_id, phase, session_of(task))
 
 
 def _weight_unit(config: Mapping[str, Any]) -> int:
@@ -231,11 +239,15 @@ class Work:
         )
 
     def train_and_protect(
-        self, task: Task, base: Base, fit: Callable[[Task, Base], TrainResult]
+        self, task: Task, base: Base, fit: Callable[[Task, Base], TrainResult], blind: BlindFor | None = None
     ) -> tuple[BaseMessage, dict[str, Any]]:
         """Train with ``fit`` from ``base``; return the reply (the update, masked and encrypted as the task
-        says) and the round's record for the summary."""
+        says) and the round's record for the summary. ``blind`` gives the secure-aggregation mask of a
+        masked round (``client/masking.py``), waiting for the partners' shares if they are not in yet."""
         device = self.device
+        session = session_of(task)
+        if session is not None and blind is None:
+            raise ConfigError("this round is masked (secure aggregation) and the device has no session")
         result = fit(task, base)
         delta = [np.asarray(n, dtype=np.float32) - b for n, b in zip(result.weights, base, strict=True)]
         record: dict[str, Any] = {
@@ -245,6 +257,8 @@ class Work:
         }
         metrics = {"train_s": result.seconds, "loss": result.loss, "steps": float(result.steps)}
         mode = str(task.config.get("mask", "none"))
+        if mode == "none" and session is not None and blind is not None:
+            return self._masked_plain(task, base, pipeline.flatten(delta), result, metrics, record, blind)
         if mode == "none":
             audit = self.check_own_update(task, base, pipeline.flatten(delta), None)
             metrics.update(audit)
@@ -287,11 +301,14 @@ class Work:
                 dp_epsilon_round=rdp_epsilon(z, 1),
                 dp_epsilon=rdp_epsilon(z, self._dp_rounds),
             )
-        audit = self.check_own_update(task, base, flat, hidden)
+        audit = self.check_own_update(task, base, flat, hidden if session is None else None, masked=session)
         metrics.update(audit)
         record.update(audit)
         weight = he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
-        contribution, enc = pipeline.protect(he, flat, weight, choice.mask)
+        vector = None
+        if session is not None and blind is not None:
+            vector = self._blind(task, blind, he.mask_ring(), he.mask_count(flat.size), metrics)
+        contribution, enc = pipeline.protect(he, flat, weight, choice.mask, vector)
         metrics.update(choice.seconds)
         metrics.update(choice.counts)
         metrics.update(enc)
@@ -308,8 +325,51 @@ class Work:
             cluster_id=task.cluster_id,
             num_samples=result.num_samples,
             metrics=metrics,
+            session=session or "",
         )
         return msg, record
+
+    @staticmethod
+    def _blind(task: Task, blind: BlindFor, ring: MaskRing, count: int, metrics: dict[str, float]) -> Any:
+        """The round's mask vector (waiting for the relay when it is not in), timed into ``metrics``."""
+        t0 = time.perf_counter()
+        vector = blind(task, ring, count)
+        metrics["mask_vector_s"] = time.perf_counter() - t0
+        return vector
+
+    def _masked_plain(
+        self,
+        task: Task,
+        base: Base,
+        flat: np.ndarray,
+        result: TrainResult,
+        metrics: dict[str, float],
+        record: dict[str, Any],
+        blind: BlindFor,
+    ) -> tuple[BaseMessage, dict[str, Any]]:
+        """A plaintext strategy's masked update (``fedsdk.secagg.plain``): every value's weighted code,
+        masked in Z_{2^32}."""
+        session = session_of(task)
+        assert session is not None
+        audit = self.check_own_update(task, base, flat, None, masked=session)
+        metrics.update(audit)
+        record.update(audit)
+        weight = PLAIN_FIXED.quantise_weight(result.num_samples, _weight_unit(task.config))
+        vector = self._blind(task, blind, RING32, flat.size, metrics)
+        t0 = time.perf_counter()
+        codes, moved = encode_masked(flat, weight, PLAIN_FIXED, vector)
+        metrics.update(encode_s=time.perf_counter() - t0, clipped=float(moved))
+        update = MaskedUpdate(
+            client_id=self.device.client_id,
+            round_id=task.round_id,
+            cluster_id=task.cluster_id,
+            session=session,
+            num_samples=result.num_samples,
+            weight=weight,
+            values=(codes.view(np.int32),),
+            metrics=metrics,
+        )
+        return update, record
 
     def leak_count(self, task: Task, shapes: list[tuple[int, ...]], flat: np.ndarray) -> dict[str, float]:
         """The leakage counts of an update sent whole under encryption (:func:`pipeline.leak_count`)."""
@@ -318,14 +378,24 @@ class Work:
         return pipeline.leak_count(task.config, shapes, flat, samples, self.device.he.pack_size)
 
     def check_own_update(
-        self, task: Task, base: Base, flat: np.ndarray, hidden: np.ndarray | None
+        self,
+        task: Task,
+        base: Base,
+        flat: np.ndarray,
+        hidden: np.ndarray | None,
+        *,
+        masked: str | None = None,
     ) -> dict[str, float]:
         """The self-audit (module docstring) of the flat update about to be sent, ``hidden`` marking the
         values that go encrypted (None: all go in the clear). Raises UpdateWithheld when a local sample is
         recovered at the threshold; returns the metrics to send with the update (none when it is off or
-        does not apply)."""
+        does not apply). ``masked``: the round's secure-aggregation session; every value of the update goes
+        masked, so no value of it alone is visible and nothing is attacked (the sums are what is read:
+        ``fedsdk audit``)."""
         if not self._self_audit:
             return {}
+        if masked is not None:
+            return {"self_audit_masked": 1.0}
         x = self.local_xy(task)[0]
         visible = np.ones(flat.size, dtype=bool) if hidden is None else ~hidden
         shapes = [tuple(w.shape) for w in base]
@@ -350,11 +420,17 @@ class Tasks:
     executor and sends the reply."""
 
     def __init__(
-        self, device: DeviceState, link: Link, work: Work, conditions: RunConditions | None = None
+        self,
+        device: DeviceState,
+        link: Link,
+        work: Work,
+        conditions: RunConditions | None = None,
+        masking: Masking | None = None,
     ) -> None:
         self.device = device
         self._link = link
         self._work = work
+        self._masking = masking
         self._conditions = conditions if conditions is not None and conditions.active else None
         if self._conditions is not None:
             log.info("run conditions: %s", self._conditions.describe())
@@ -401,7 +477,7 @@ class Tasks:
     async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
         """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
         payload = encode(msg)
-        self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload)
+        self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload, session_of(task))
         return await self._link.send(kind, payload)
 
     async def recheck_conditions(self, hello: Callable[[], Awaitable[None]]) -> None:
@@ -442,9 +518,12 @@ class Tasks:
         try:
             check_task(task, last_round=self._last_task_round)
         except ValidationError as exc:
-            device.rejected.add(exc.code)
-            log.warning("rejected task: %s", exc.reason)
-            return
+            # a round that runs again under a new masking session, its first one having revealed nothing
+            rerun = self._masking is not None and exc.code == "stale_round" and self._masking.can_rerun(task)
+            if not rerun or task.round_id != self._last_task_round:
+                device.rejected.add(exc.code)
+                log.warning("rejected task: %s", exc.reason)
+                return
         if await self._declined(task, phase):
             return
         self._last_task_round = task.round_id
@@ -452,6 +531,8 @@ class Tasks:
             await link.follow_cluster(task.cluster_id)
         loop = asyncio.get_running_loop()
         try:
+            if phase == "train" and self._masking is not None:
+                await self._masking.begin(task, link.publish)  # keys out before training (client/masking.py)
             base = self._work.base(task, phase)
             if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
                 self._work.size_pool(sum(int(b.size) for b in base))
@@ -464,8 +545,8 @@ class Tasks:
             device.pending[task.round_id] = pending
             with self._work.quiet_pool(base):
                 msg, record = await loop.run_in_executor(None, steps.train, task, base)
-        except UpdateWithheld as exc:
-            summary.withheld += 1
+        except (UpdateWithheld, MaskingRefused) as exc:
+            summary.withheld += isinstance(exc, UpdateWithheld)
             log.warning("round %d: %s", task.round_id, exc)
             summary.reason = f"round {task.round_id}: {exc}"
             err = Error(

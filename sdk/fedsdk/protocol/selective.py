@@ -146,7 +146,9 @@ class Sketch(BaseMessage):
 class EncryptedUpdate(BaseMessage):
     """A device's update under selective HE. One mask entry per pack; ciphertexts for True, plaintexts
     for False, both in pack order. ``weight`` is the integer the device multiplied its values by (its
-    sample count); ``key_id`` (hex) names the HE key the ciphertexts are under."""
+    sample count); ``key_id`` (hex) names the HE key the ciphertexts are under. ``session``: the secure-
+    aggregation session whose masks every pack carries (``fedsdk.secagg``; empty: unmasked), so that the
+    plaintexts are ring elements of the backend's ``mask_ring``, not slot codes."""
 
     KIND: ClassVar[MessageKind] = MessageKind.ENCRYPTED_UPDATE
     WIRE: ClassVar[Mapping[str, Wire]] = {
@@ -166,6 +168,7 @@ class EncryptedUpdate(BaseMessage):
         "metrics": Wire.MAP,
         "nonce": Wire.STR,
         "coins": Wire.BYTES,
+        "session": Wire.STR,
     }
 
     client_id: str
@@ -184,12 +187,14 @@ class EncryptedUpdate(BaseMessage):
     metrics: Mapping[str, float] = field(default_factory=FrozenMap)
     nonce: str = ""
     coins: bytes = b""
+    session: str = ""
 
     def __post_init__(self) -> None:
         check_id(self.client_id, "client_id")
         self._set("round_id", check_int(self.round_id, "round_id", 0, MAX_ROUND))
         self._set("cluster_id", check_int(self.cluster_id, "cluster_id", 0, MAX_ROUND))
         self._set("num_samples", check_int(self.num_samples, "num_samples", 1, MAX_SAMPLES))
+        check_id(self.session, "session", allow_empty=True)
         check_id(self.backend, "backend")
         self._set("key_id", _key_id(self.key_id))
         self._set("n_values", check_int(self.n_values, "n_values", 1, MAX_VALUES))

@@ -17,9 +17,11 @@ from fedsdk.crypto.fixedpoint import FixedPoint
 from fedsdk.errors import ConfigError, EncodingError
 from fedsdk.secagg.ring import Ring
 
-__all__ = ["RING32", "check_fixed", "decode_sum", "encode_masked"]
+__all__ = ["PLAIN_FIXED", "RING32", "check_fixed", "decode_sum", "encode_masked"]
 
 RING32 = Ring(32)
+#: The fixed point of masked plaintext updates: the packed backend's defaults (R = 0.5, f = 13, T = 8191).
+PLAIN_FIXED = FixedPoint()
 
 
 def check_fixed(fixed: FixedPoint) -> FixedPoint:

@@ -232,6 +232,11 @@ class DeviceSession:
         return done.unmask
 
     @property
+    def shares(self) -> MaskShares | None:
+        """The shares this device sealed for its neighbours (None before its roster came)."""
+        return self._answers.shares
+
+    @property
     def revealed(self) -> bool:
         """Whether this device answered an unmask request (its session's sum may have been formed)."""
         return self._answers.unmask is not None

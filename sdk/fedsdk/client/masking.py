@@ -1,0 +1,205 @@
+"""The device's secure-aggregation sessions (``fedsdk.secagg``), on the event loop: a masked task starts a
+session and sends its keys; the roster, the relay and the unmask request are taken as they arrive, while
+the device trains; the training step, in the executor, waits for the relay and then expands its mask
+(:meth:`Masking.blind_for`).
+
+A task carries ``secagg_session`` when its round is masked. The same task again (a coordinator that asks
+again after a restart or a lost message) re-sends what the session sent so far, unchanged. A task of the
+same round with another session (the round failed and runs again) starts a new session only when the old
+one revealed nothing; otherwise the device refuses (``secagg_spent``): its update must not be in two sums.
+
+A device sends its certificate with its first keys after each hello and keeps the certificates of the
+neighbours it checked, so that a coordinator that knows the device has them sends them once per
+connection (:class:`~fedsdk.protocol.MaskRoster`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedsdk.client.link import Publish
+from fedsdk.client.state import DeviceState
+from fedsdk.errors import MaskingRefused, ValidationError
+from fedsdk.protocol import MaskRelay, MaskRoster, Task, UnmaskRequest
+from fedsdk.protocol import topics as T
+from fedsdk.secagg.identity import Signer, Trust
+from fedsdk.secagg.keys import Context
+from fedsdk.secagg.ring import MaskRing
+from fedsdk.secagg.session import DeviceSession
+
+__all__ = ["Masking", "session_of"]
+
+log = logging.getLogger(__name__)
+KEEP_ROUNDS = 3  # sessions kept behind the newest (their unmask requests come after the update)
+
+
+def session_of(task: Task) -> str | None:
+    """The masking session a task's round runs under, or None for an unmasked round."""
+    sid = task.config.get("secagg_session")
+    return sid if isinstance(sid, str) and sid else None
+
+
+@dataclass
+class _Live:
+    session: DeviceSession
+    ready: asyncio.Future[None]
+    sent_shares: bool = False
+    failures: list[str] = field(default_factory=list)
+
+    def fail(self, exc: ValidationError) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(MaskingRefused(exc.code, exc.reason, round_id=self.session.ctx.round_id))
+
+
+class Masking:
+    """One device's masking sessions by (round, cluster)."""
+
+    def __init__(
+        self, device: DeviceState, *, signer: Signer | None, trust: Trust, min_aggregate: int
+    ) -> None:
+        self.device = device
+        self.signer = signer
+        self.trust = trust
+        self.min_aggregate = int(min_aggregate)
+        self.certificates: dict[str, bytes] = {}  # neighbours' certificates, checked, by id
+        self.cert_sent = False  # this device's certificate went out since its last hello
+        self._live: dict[tuple[int, int], _Live] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def hello(self) -> None:
+        """A hello went out: the coordinator may be a new instance, which does not have the certificate."""
+        self.cert_sent = False
+
+    def _key(self, msg: Task | MaskRoster | MaskRelay | UnmaskRequest) -> tuple[int, int]:
+        return msg.round_id, msg.cluster_id
+
+    def _find(self, msg: MaskRoster | MaskRelay | UnmaskRequest) -> _Live:
+        live = self._live.get(self._key(msg))
+        if live is None or live.session.ctx.session != msg.session:
+            raise ValidationError("stale_round", f"a masking message for session {msg.session}, not ours")
+        return live
+
+    def can_rerun(self, task: Task) -> bool:
+        """Whether ``task`` (a round this device took a task of before) may run again under its session."""
+        sid = session_of(task)
+        live = self._live.get(self._key(task))
+        return (
+            sid is not None
+            and live is not None
+            and live.session.ctx.session != sid
+            and not live.session.revealed
+        )
+
+    async def begin(self, task: Task, publish: Publish) -> None:
+        """Start ``task``'s session (nothing for an unmasked task) and send its keys; the same session
+        again re-sends what it sent. MaskingRefused when the round's update is already in another sum."""
+        sid = session_of(task)
+        if sid is None:
+            return
+        self._loop = asyncio.get_running_loop()
+        key = self._key(task)
+        live = self._live.get(key)
+        if live is not None and live.session.ctx.session == sid:
+            await self.resend(task, publish)
+            return
+        if live is not None and live.session.revealed:
+            raise MaskingRefused(
+                "secagg_spent",
+                f"round {task.round_id} again under another masking session: this device's update is "
+                "already in a sum, it is not sent into a second one",
+                round_id=task.round_id,
+            )
+        ctx = Context(self.device.federation, task.round_id, task.cluster_id, sid)
+        session = DeviceSession(
+            ctx,
+            self.device.client_id,
+            trust=self.trust,
+            signer=self.signer,
+            min_aggregate=self.min_aggregate,
+            send_certificate=not self.cert_sent,
+        )
+        self._live[key] = _Live(session, self._loop.create_future())
+        for old in [k for k in self._live if k[0] < task.round_id - KEEP_ROUNDS]:
+            self._forget(old)
+        await publish(T.KEYS, session.keys)
+        self.cert_sent = self.cert_sent or bool(session.keys.certificate)
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        live = self._live.pop(key)
+        if not live.ready.done():
+            live.ready.cancel()
+        elif not live.ready.cancelled():
+            live.ready.exception()  # retrieved, so that asyncio does not log it as never retrieved
+
+    async def resend(self, task: Task, publish: Publish) -> None:
+        """What ``task``'s session sent so far, again (the coordinator asked again)."""
+        live = self._live.get(self._key(task))
+        if live is None or live.session.ctx.session != session_of(task):
+            return
+        await publish(T.KEYS, live.session.keys)
+        shares = live.session.shares
+        if shares is not None:
+            await publish(T.SHARES, shares)
+
+    async def on_roster(self, roster: MaskRoster, publish: Publish) -> None:
+        live = self._find(roster)
+        try:
+            shares = live.session.on_roster(roster, self.certificates)
+        except ValidationError as exc:
+            live.fail(exc)
+            raise
+        for cid, _, _, _, _, cert in roster.entries():
+            if (
+                cert
+                and live.session.neighbours.get(cid, None) is not None
+                and live.session.neighbours[cid].certified
+            ):
+                self.certificates[cid] = cert
+        await publish(T.SHARES, shares)
+
+    def on_relay(self, relay: MaskRelay) -> None:
+        live = self._find(relay)
+        try:
+            live.session.on_relay(relay)
+        except ValidationError as exc:
+            live.fail(exc)
+            raise
+        if not live.ready.done():
+            live.ready.set_result(None)
+
+    async def on_unmask(self, req: UnmaskRequest, publish: Publish) -> None:
+        live = self._find(req)
+        answer = live.session.on_unmask(req)
+        await publish(T.UNMASK, answer)
+        log.debug("round %d: unmask shares sent for %d owners", req.round_id, len(answer.owners))
+
+    # -- in the executor --------------------------------------------------------------------------
+    def blind_for(self, task: Task, ring: MaskRing, count: int) -> Any:
+        """The mask vector of ``task``'s session in ``ring`` (``count`` elements), once the relay arrived.
+        Called from the training step's thread; waits up to the task's deadline. MaskingRefused when the
+        session failed or the relay did not come."""
+        live = self._live.get(self._key(task))
+        if live is None or live.session.ctx.session != session_of(task) or self._loop is None:
+            raise MaskingRefused("secagg_state", "no masking session for this task", round_id=task.round_id)
+
+        async def ready() -> None:
+            await asyncio.shield(live.ready)
+
+        try:
+            asyncio.run_coroutine_threadsafe(ready(), self._loop).result(timeout=task.deadline_s)
+        except concurrent.futures.CancelledError:
+            raise MaskingRefused(
+                "secagg_state", "the masking session ended", round_id=task.round_id
+            ) from None
+        except concurrent.futures.TimeoutError:
+            raise MaskingRefused(
+                "secagg_timeout",
+                f"the partners' shares did not arrive within the round's {task.deadline_s:.0f} s: the round "
+                "went on without this device",
+                round_id=task.round_id,
+            ) from None
+        return ring.expand_sum(live.session.mask_terms(), count)
