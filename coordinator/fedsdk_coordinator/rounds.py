@@ -56,7 +56,7 @@ from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
 from fedsdk_coordinator.engine.tasks import make_status, make_task
 from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.resume import check_identity, load_resume
-from fedsdk_coordinator.store import RoundPlan, Store
+from fedsdk_coordinator.store import Store
 from fedsdk_coordinator.strategies import strategy
 
 __all__ = ["RoundConfig", "RoundEngine"]
@@ -322,13 +322,7 @@ class RoundEngine(FederationState):
         fixed = self.strategy.fixed is not None
         samples = {r.client_id: r.num_samples for r in self.store.clients()} if fixed else {}
         rounds = plan_rounds(round_id, groups, self.strategy, self.measured, samples)
-        self.store.plan_round(
-            [
-                RoundPlan(r.round_id, r.cluster_id, tuple(sorted(r.participants)), r.budgets, r.weight_unit,
-                          r.session)
-                for r in rounds
-            ]
-        )  # fmt: skip
+        self.store.plan_round([r.as_plan() for r in rounds])
         for r in rounds:
             if r.session:
                 new_session(self, r)

@@ -44,11 +44,11 @@ def test_each_cluster_gets_its_strategys_budgets(
     assert [bool(r.shares) for r in rounds] == ([True, False] if name == "fedsdk" else [False, False])
 
 
-def test_the_weight_unit_is_one_in_plaintext_and_grows_when_the_samples_overflow_the_slots(
+def test_the_weight_unit_is_one_for_float_updates_and_grows_when_the_samples_overflow_the_slots(
     public: dict[str, HEBackend],
 ) -> None:
     assert weight_unit(None, [10**9, 10**9]) == 1
-    he = public["packed"]
-    bound = he.fixed.max_total
-    assert weight_unit(he, [1, 2]) == 1
-    assert weight_unit(he, [bound, bound]) >= 2
+    fixed = public["packed"].fixed
+    bound = fixed.max_total
+    assert weight_unit(fixed, [1, 2]) == 1
+    assert weight_unit(fixed, [bound, bound]) >= 2

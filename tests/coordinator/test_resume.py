@@ -66,6 +66,9 @@ class Coordinator:
             sketch_dim=SKETCH_DIM,
             strategy=kw.pop("strategy", "plaintext"),
             farewell_s=0.0,  # the simulated devices never say goodbye
+            # the simulated devices' replies are built here, unmasked: a masked round resumes in
+            # tests/coordinator/test_secagg_engine.py
+            secagg=kw.pop("secagg", False),
             **kw,
         )
         self.engine = RoundEngine(

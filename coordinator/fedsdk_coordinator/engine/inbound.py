@@ -43,7 +43,7 @@ from fedsdk.protocol import (
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import check_kind
 from fedsdk_coordinator.clustering import assign_nearest
-from fedsdk_coordinator.engine.masking import on_masking
+from fedsdk_coordinator.engine.masking import check_partner, on_masking
 from fedsdk_coordinator.engine.measure import Measured, record_report, record_update
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.failpoints import reached
@@ -268,9 +268,7 @@ class Inbound:
             raise ValidationError("stale_round", f"reply for round {msg.round_id} outside that round")
         if client_id not in rnd.participants:
             raise ValidationError("not_participant", f"{client_id} got no task in round {rnd.round_id}")
-        masked = rnd.masking
-        if masked is not None and not isinstance(msg, Error) and client_id not in (masked.partners_set or ()):
-            raise ValidationError("not_partner", f"{client_id} is not among the devices that mask together")
+        check_partner(rnd, client_id, msg)
         e.strategy.check_reply(msg, rnd, client_id)
         status = "update"
         if isinstance(msg, Error):

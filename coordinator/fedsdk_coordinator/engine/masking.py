@@ -35,10 +35,18 @@ from fedsdk_coordinator.engine.state import RoundState, wait
 from fedsdk_coordinator.secagg import MaskingRound
 
 if TYPE_CHECKING:
-    from fedsdk.protocol import Limits
+    from fedsdk.protocol import BaseMessage, Limits
     from fedsdk_coordinator.rounds import RoundEngine
 
-__all__ = ["new_session", "on_masking", "open_session", "republish", "restore_session", "unmask"]
+__all__ = [
+    "check_partner",
+    "new_session",
+    "on_masking",
+    "open_session",
+    "republish",
+    "restore_session",
+    "unmask",
+]
 
 log = logging.getLogger("fedsdk_coordinator.rounds")
 
@@ -116,6 +124,13 @@ def on_masking(
     if new:
         e.store.save_masking(rnd.round_id, rnd.cluster_id, client_id, KINDS[type(msg)], payload)
     rnd.progress.set()
+
+
+def check_partner(rnd: RoundState, client_id: str, msg: BaseMessage) -> None:
+    """In a masked round an update is taken only from a partner (its masks cancel only with theirs)."""
+    m = rnd.masking
+    if m is not None and not isinstance(msg, Error) and client_id not in (m.partners_set or ()):
+        raise ValidationError("not_partner", f"{client_id} is not among the devices that mask together")
 
 
 async def _until(rnd: RoundState, done: Callable[[], bool], timeout: float) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from fedsdk.protocol import BaseMessage, DecryptShare, Error, Report, is_declined
 from fedsdk_coordinator.resume import StoredRound
 from fedsdk_coordinator.secagg import MaskingRound
+from fedsdk_coordinator.store import RoundPlan
 
 __all__ = ["RoundState", "failure_summary", "wait", "wait_with_grace", "within_total_weight"]
 
@@ -88,6 +89,13 @@ class RoundState:
         valid = {c for c, r in self.replies.items() if not isinstance(r, Error)}
         if valid - self.gone <= set(self.reports) | self.applied:
             self.reported.set()
+
+    def as_plan(self) -> RoundPlan:
+        """What the store keeps of this round's plan (before its tasks go out)."""
+        participants = tuple(sorted(self.participants))
+        return RoundPlan(
+            self.round_id, self.cluster_id, participants, self.budgets, self.weight_unit, self.session
+        )
 
     @classmethod
     def restored(cls, stored: StoredRound, phase: str = "train") -> RoundState:

@@ -36,11 +36,12 @@ from fedsdk.client.masking import Masking
 from fedsdk.client.relay import ModelRelay
 from fedsdk.client.saved import keep_model, load_model
 from fedsdk.client.state import ClientSummary, DeviceState, Pending
-from fedsdk.client.work import Tasks, TaskSteps, Work
+from fedsdk.client.tasks import Tasks, TaskSteps
+from fedsdk.client.work import Work
 from fedsdk.conditions import RunConditions
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.base import Aggregate as HEAggregate
-from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportError, ValidationError
+from fedsdk.errors import ConfigError, StateError, TransportClosed, TransportError
 from fedsdk.model import OnnxModel, Trainer, TrainResult
 from fedsdk.model.export import write_onnx
 from fedsdk.personal import PersonalModel
@@ -61,7 +62,6 @@ from fedsdk.protocol import (
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import RejectCounter
 from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
-from fedsdk.secagg.identity import Signer, Trust
 from fedsdk.selfaudit import DEFAULT_THRESHOLD_DB
 from fedsdk.transport import MqttTransport, TlsConfig
 
@@ -87,9 +87,7 @@ class FedClient:
     ``state_dir``: where the device keeps the model it holds across restarts of its process (written after
     each applied aggregate, mode 0600, read back at construction: :mod:`fedsdk.client.saved`).
 
-    ``min_aggregate``: the fewest devices a sum may hold for this device to put its update in it (secure
-    aggregation, :mod:`fedsdk.secagg`); with a client certificate (``tls``) the device signs its masking
-    keys and counts only neighbours certified by ``tls.ca_file``.
+    ``min_aggregate``: the fewest devices in a sum this device puts its update in (``client/masking.py``).
     """
 
     def __init__(
@@ -118,8 +116,6 @@ class FedClient:
         T.validate_config_id(client_id, "client id")
         if isinstance(personal_epochs, bool) or not isinstance(personal_epochs, int) or personal_epochs < 0:
             raise ConfigError(f"personal_epochs must be an integer >= 0, got {personal_epochs!r}")
-        if isinstance(min_aggregate, bool) or not isinstance(min_aggregate, int) or min_aggregate < 2:
-            raise ConfigError(f"min_aggregate must be an integer >= 2, got {min_aggregate!r}")
         T.validate_config_id(federation, "federation")
         if data is None and trainer is None:
             raise ConfigError("FedClient needs local data (x, y) or a trainer")
@@ -146,13 +142,8 @@ class FedClient:
         self._link = Link(
             self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
         )
-        signer, trust = None, Trust()
-        if tls is not None and tls.cert_file is not None and tls.key_file is not None:  # a fleet identity
-            signer, trust = Signer(tls.cert_file, tls.key_file), Trust.from_file(tls.ca_file)
-        self._masking = Masking(self._device, signer=signer, trust=trust, min_aggregate=min_aggregate)
+        self._masking = Masking.with_identity(self._device, self._link, tls, min_aggregate)
         self._tasks = Tasks(self._device, self._link, self._work, conditions, self._masking)
-        self._task_lock = asyncio.Lock()  # tasks run one at a time, off the message loop
-        self._task_runs: set[asyncio.Task[None]] = set()
         self._decryption = Decryption(self._device)
         self._relay = ModelRelay(self._device, self._work, self._link, state_dir)
         self._aggregates = Aggregates(self._device, self._decryption)
@@ -304,7 +295,7 @@ class FedClient:
             else:
                 summary.state, summary.reason = "timeout", f"no end within {timeout} s"
         finally:
-            applying = {*self._aggregates.applying, *self._relay.tasks, *self._task_runs}
+            applying = {*self._aggregates.applying, *self._relay.tasks, *self._tasks.runs}
             if summary.state == "finished" and applying:  # the last round's model still being kept on disk
                 await asyncio.wait(applying, timeout=FINISH_GRACE_S)
             for t in (loop_task, rehello, watch, recheck, *applying):
@@ -323,12 +314,9 @@ class FedClient:
                         if await link.on_status(decoded, self._publish):
                             return
                     elif isinstance(decoded, Task) and topic == link.down_topic:
-                        await self._masking.resend(decoded, link.publish)  # at once, before queueing
-                        self._start_task(decoded)
-                    elif isinstance(decoded, MaskRoster | MaskRelay) and topic == link.down_topic:
-                        await self._on_masking(decoded)
-                    elif isinstance(decoded, UnmaskRequest) and topic == link.cluster_topic:
-                        await self._on_masking(decoded)
+                        await self._tasks.take(decoded, self._on_task)
+                    elif isinstance(decoded, MaskRoster | MaskRelay | UnmaskRequest):
+                        await self._masking.take(decoded, topic, link)
                     elif isinstance(decoded, Aggregate | EncryptedAggregate):
                         self._start_apply(decoded)
                     elif isinstance(decoded, ShareBundle) and topic == link.cluster_topic:
@@ -347,41 +335,7 @@ class FedClient:
             self._device.summary.state = "disconnected"
 
     async def _publish(self, kind: str, msg: BaseMessage) -> tuple[float, int]:
-        if kind == T.HELLO:
-            self._masking.hello()
         return await self._link.publish(kind, msg)
-
-    def _start_task(self, task: Task) -> None:
-        """Run ``task`` after the tasks before it, off the message loop: while it trains, the loop takes
-        the masking messages its round needs (``client/masking.py``) and the shares of earlier rounds."""
-
-        async def run() -> None:
-            async with self._task_lock:
-                try:
-                    await self._on_task(task)
-                except TransportClosed:
-                    pass  # the message loop ends too
-                except TransportError as exc:  # the link stayed down: the coordinator asks again later
-                    self._device.summary.send_failures += 1
-                    log.warning("could not answer the task of round %d: %s", task.round_id, exc)
-
-        t = asyncio.create_task(run(), name=f"fedclient-task-{self.client_id}-{task.round_id}")
-        self._task_runs.add(t)
-        t.add_done_callback(self._task_runs.discard)
-
-    async def _on_masking(self, msg: MaskRoster | MaskRelay | UnmaskRequest) -> None:
-        """A message of a masking session: checked, answered (client/masking.py). A refusal is logged and
-        counted; the task waiting on the session answers its round with the reason."""
-        try:
-            if isinstance(msg, MaskRoster):
-                await self._masking.on_roster(msg, self._link.publish)
-            elif isinstance(msg, MaskRelay):
-                self._masking.on_relay(msg)
-            else:
-                await self._masking.on_unmask(msg, self._link.publish)
-        except ValidationError as exc:
-            self._device.rejected.add(exc.code)
-            log.warning("round %d: masking refused: %s", msg.round_id, exc.reason)
 
     async def _on_task(self, task: Task) -> None:
         await self._aggregates.settle()  # the task may build on the model an aggregate being applied makes

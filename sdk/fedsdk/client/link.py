@@ -74,6 +74,7 @@ class Link:
         self.hello_epoch: str | None = None  # the coordinator instance last greeted
         self.heard = time.monotonic()  # when the coordinator was last heard from (any message)
         self.cluster_topic: str | None = None  # the topic of this device's cluster, once it has one
+        self.hellos = 0  # hellos said (a coordinator may be a new instance after each)
         self._reconnected = asyncio.Event()
         self._he_vps: float | None = None
         self._uplink: float | None = None
@@ -194,6 +195,7 @@ class Link:
             he_values_per_s=self._he_vps,
             uplink_bytes_per_s=self._uplink,
         )
+        self.hellos += 1
         await publish(T.HELLO, hello)
 
     async def on_status(self, status: Status, publish: Publish) -> bool:

@@ -21,15 +21,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedsdk.client.link import Publish
+from fedsdk.client.link import Link, Publish
 from fedsdk.client.state import DeviceState
-from fedsdk.errors import MaskingRefused, ValidationError
+from fedsdk.errors import ConfigError, MaskingRefused, ValidationError
 from fedsdk.protocol import MaskRelay, MaskRoster, Task, UnmaskRequest
 from fedsdk.protocol import topics as T
 from fedsdk.secagg.identity import Signer, Trust
 from fedsdk.secagg.keys import Context
 from fedsdk.secagg.ring import MaskRing
 from fedsdk.secagg.session import DeviceSession
+from fedsdk.transport import TlsConfig
 
 __all__ = ["Masking", "session_of"]
 
@@ -59,20 +60,31 @@ class Masking:
     """One device's masking sessions by (round, cluster)."""
 
     def __init__(
-        self, device: DeviceState, *, signer: Signer | None, trust: Trust, min_aggregate: int
+        self, device: DeviceState, link: Link, *, signer: Signer | None, trust: Trust, min_aggregate: int
     ) -> None:
+        if isinstance(min_aggregate, bool) or not isinstance(min_aggregate, int) or min_aggregate < 2:
+            raise ConfigError(f"min_aggregate must be an integer >= 2, got {min_aggregate!r}")
         self.device = device
+        self.link = link
         self.signer = signer
         self.trust = trust
         self.min_aggregate = int(min_aggregate)
         self.certificates: dict[str, bytes] = {}  # neighbours' certificates, checked, by id
-        self.cert_sent = False  # this device's certificate went out since its last hello
+        self._cert_sent = -1  # the hello after which this device's certificate last went out
         self._live: dict[tuple[int, int], _Live] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._unsigned_said = False
 
-    def hello(self) -> None:
-        """A hello went out: the coordinator may be a new instance, which does not have the certificate."""
-        self.cert_sent = False
+    @classmethod
+    def with_identity(
+        cls, device: DeviceState, link: Link, tls: TlsConfig | None, min_aggregate: int
+    ) -> Masking:
+        """A device's sessions: signed with its client certificate, neighbours checked against its CA, when
+        it has a fleet identity (mutual TLS); unsigned otherwise."""
+        if tls is not None and tls.cert_file is not None and tls.key_file is not None:
+            signer, trust = Signer(tls.cert_file, tls.key_file), Trust.from_file(tls.ca_file)
+            return cls(device, link, signer=signer, trust=trust, min_aggregate=min_aggregate)
+        return cls(device, link, signer=None, trust=Trust(), min_aggregate=min_aggregate)
 
     def _key(self, msg: Task | MaskRoster | MaskRelay | UnmaskRequest) -> tuple[int, int]:
         return msg.round_id, msg.cluster_id
@@ -120,13 +132,14 @@ class Masking:
             trust=self.trust,
             signer=self.signer,
             min_aggregate=self.min_aggregate,
-            send_certificate=not self.cert_sent,
+            send_certificate=self._cert_sent != self.link.hellos,  # a new coordinator may not have it
         )
         self._live[key] = _Live(session, self._loop.create_future())
         for old in [k for k in self._live if k[0] < task.round_id - KEEP_ROUNDS]:
             self._forget(old)
         await publish(T.KEYS, session.keys)
-        self.cert_sent = self.cert_sent or bool(session.keys.certificate)
+        if session.keys.certificate:
+            self._cert_sent = self.link.hellos
 
     def _forget(self, key: tuple[int, int]) -> None:
         live = self._live.pop(key)
@@ -152,6 +165,10 @@ class Masking:
         except ValidationError as exc:
             live.fail(exc)
             raise
+        if self.trust.ca is None and not self._unsigned_said:
+            self._unsigned_said = True
+            log.info("masking keys of neighbours are accepted unsigned (no client certificate, no CA): the "
+                     "coordinator could invent devices; a fleet with mutual TLS checks them")  # fmt: skip
         for cid, _, _, _, _, cert in roster.entries():
             if (
                 cert
@@ -176,6 +193,26 @@ class Masking:
         answer = live.session.on_unmask(req)
         await publish(T.UNMASK, answer)
         log.debug("round %d: unmask shares sent for %d owners", req.round_id, len(answer.owners))
+
+    async def take(self, msg: MaskRoster | MaskRelay | UnmaskRequest, topic: str, link: Link) -> None:
+        """A message of a masking session, on the message loop: checked (an unmask request comes on the
+        cluster topic, the rest on this device's), answered. A refusal is logged and counted; the task
+        waiting on the session answers its round with the reason."""
+        publish = link.publish
+        if topic != (link.cluster_topic if isinstance(msg, UnmaskRequest) else link.down_topic):
+            self.device.rejected.add("bad_kind")
+            log.warning("unexpected %s on %s", type(msg).__name__, topic)
+            return
+        try:
+            if isinstance(msg, MaskRoster):
+                await self.on_roster(msg, publish)
+            elif isinstance(msg, MaskRelay):
+                self.on_relay(msg)
+            else:
+                await self.on_unmask(msg, publish)
+        except ValidationError as exc:
+            self.device.rejected.add(exc.code)
+            log.warning("round %d: masking refused: %s", msg.round_id, exc.reason)
 
     # -- in the executor --------------------------------------------------------------------------
     def blind_for(self, task: Task, ring: MaskRing, count: int) -> Any:

@@ -1,103 +1,50 @@
-"""A task, on the device: train → sensitivity/leakage → mask → self-audit → protect → upload, or the sketch.
+"""A task's steps on the device: train → sensitivity/leakage → mask → self-audit → protect, or the sketch.
 
 A task's ``phase`` is ``sketch`` (first round of a clustered federation: send a sensitivity sketch) or
 ``train``; its ``mask`` mode says whether the update goes in plaintext (``none``) or under HE (see
-:mod:`fedsdk.pipeline`). :class:`Work` holds the steps, which run in a worker thread so that the event loop
-(and the MQTT link) stays responsive; :class:`Tasks` takes each task on the event loop, runs the steps
-FedClient hands it, and sends the reply.
+:mod:`fedsdk.pipeline`); its ``secagg_session`` that every value goes masked (secure aggregation,
+``client/masking.py``). :class:`Work` holds the steps, which run in a worker thread so that the event loop
+(and the MQTT link) stays responsive; ``client/tasks.py`` takes each task on the event loop.
 
 Self-audit (``self_audit=True``, ``fedsdk join --self-audit``; :mod:`fedsdk.selfaudit`): after the mask
 and the noise, before encrypting or sending, the device runs the analytic first-layer attack on exactly
-what the coordinator would see of its update (everything under the ``plaintext`` strategy). When a local
-sample is recovered at ``self_audit_db`` (25 dB) or more, the update is withheld: the task is answered with
-an ``Error`` of code ``self_audit`` and the withheld update is counted (``ClientSummary.withheld``). A sent
-update carries the check's ``self_audit_max_db`` and ``self_audit_s`` in its metrics. Models whose first
-layer is not a Linear layer reading the samples (the ``cnn`` preset) are not audited; this is logged once.
-
-Run conditions (``conditions=RunConditions(...)``, ``fedsdk join --only-charging`` ...;
-:mod:`fedsdk.conditions`): checked when a task arrives, off the event loop. When one does not hold the device
-does not train: it answers with an ``Error`` of code ``declined_<condition>`` and the reading, counts it
-(``ClientSummary.declined``) and, for a training round, still applies the round's aggregate (under HE the
-model lives only on the devices: one that skipped an aggregate would train the next round from a stale
-model). A declined task is not remembered as answered: asked again, the device checks again.
-
-Replay protection (``docs/operations.md``, "Crash and restart") is per round number, across epochs: a task
-for a round older than the last one this device accepted is refused (``stale_round``). A task for *the
-same* round and cluster as the last one is answered with the reply already sent for it, byte for byte,
-without training again: a restarted coordinator, or one whose link dropped, asks again for the replies it
-does not hold. Re-sending the same bytes reveals nothing new, whoever replays the task; training again on a
-replayed task would.
+what the coordinator would see of its update (everything under the ``plaintext`` strategy without secure
+aggregation). When a local sample is recovered at ``self_audit_db`` (25 dB) or more, the update is
+withheld: the task is answered with an ``Error`` of code ``self_audit`` and the withheld update is counted
+(``ClientSummary.withheld``). A sent update carries the check's ``self_audit_max_db`` and ``self_audit_s``
+in its metrics. Models whose first layer is not a Linear layer reading the samples (the ``cnn`` preset)
+are not audited; this is logged once. Under secure aggregation no value of one update is visible, so
+there is nothing to attack in it (``self_audit_masked``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from fedsdk import pipeline
-from fedsdk.client.link import Link
-from fedsdk.client.masking import Masking, session_of
-from fedsdk.client.state import DeviceState, Pending, RoundRecord, model_input, run_of
-from fedsdk.conditions import RunConditions, Verdict
+from fedsdk.client.masking import session_of
+from fedsdk.client.state import DeviceState, model_input, run_of
 from fedsdk.crypto.pool import auto_capacity
-from fedsdk.errors import (
-    ConfigError,
-    FedError,
-    MaskingRefused,
-    TrainingError,
-    TransportError,
-    UpdateWithheld,
-    ValidationError,
-)
+from fedsdk.errors import ConfigError, TrainingError, UpdateWithheld, ValidationError
 from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
 from fedsdk.noise import noise_clear, rdp_epsilon
-from fedsdk.protocol import BaseMessage, Error, MaskedUpdate, Sketch, Task, Update, encode
-from fedsdk.protocol import topics as T
-from fedsdk.protocol.validate import check_task
+from fedsdk.protocol import BaseMessage, MaskedUpdate, Sketch, Task, Update
 from fedsdk.secagg.plain import PLAIN_FIXED, RING32, encode_masked
 from fedsdk.secagg.ring import MaskRing
 from fedsdk.selfaudit import check_threshold, self_audit
 
-__all__ = ["TaskSteps", "Tasks", "Work"]
+__all__ = ["Base", "BlindFor", "Work"]
 
 log = logging.getLogger(__name__)
-progress = logging.getLogger("fedsdk.progress")  # a declined round's line; the CLI shows it by default
 
 Base = list[np.ndarray]
 BlindFor = Callable[[Task, MaskRing, int], Any]  # a masked round's mask vector (client/masking.py)
-
-
-class TaskSteps(NamedTuple):
-    """The steps of a task that run in the executor, as FedClient hands them to :meth:`Tasks.on_task`."""
-
-    sketch: Callable[[Task, Base], Sketch]
-    train: Callable[[Task, Base], tuple[BaseMessage, dict[str, Any]]]  # train and protect: (reply, record)
-    leak_count: Callable[[Task, list[tuple[int, ...]], np.ndarray], dict[str, float]]
-
-
-@dataclass(frozen=True)
-class _Answer:
-    """The reply to this device's last task, kept to answer the same task again with the same bytes."""
-
-    round_id: int
-    cluster_id: int
-    phase: str
-    kind: str
-    payload: bytes
-    session: str | None = None  # the masking session the reply was made for (client/masking.py)
-
-    def answers(self, task: Task, phase: str) -> bool:
-        """Is ``task`` the task this reply answered (same round, cluster, phase and masking session; any
-        epoch)?"""
-        mine = (self.round_id, self.cluster_id, self.phase, self.session)
-        return mine == (task.round_id, task.cluster_id, phase, session_of(task))
 
 
 def _weight_unit(config: Mapping[str, Any]) -> int:
@@ -412,180 +359,3 @@ class Work:
             task.round_id, result.max_db, result.samples, result.seconds,
         )  # fmt: skip
         return {"self_audit_max_db": result.max_db, "self_audit_s": result.seconds}
-
-
-class Tasks:
-    """Takes the tasks addressed to this device, on the event loop: refuses stale ones, answers a repeated
-    one with the same bytes, declines one while a run condition does not hold, runs the others' steps in the
-    executor and sends the reply."""
-
-    def __init__(
-        self,
-        device: DeviceState,
-        link: Link,
-        work: Work,
-        conditions: RunConditions | None = None,
-        masking: Masking | None = None,
-    ) -> None:
-        self.device = device
-        self._link = link
-        self._work = work
-        self._masking = masking
-        self._conditions = conditions if conditions is not None and conditions.active else None
-        if self._conditions is not None:
-            log.info("run conditions: %s", self._conditions.describe())
-        self._unknown_warned: tuple[str, ...] = ()
-        self._since_decline = asyncio.Event()  # set by a decline, cleared once the conditions hold again
-        self._last_task_round: int | None = None
-        self._answer: _Answer | None = None
-
-    async def _declined(self, task: Task, phase: str) -> bool:
-        """Check the run conditions (module docstring); when one does not hold, decline ``task``: True."""
-        if self._conditions is None:
-            return False
-        verdict: Verdict = await asyncio.get_running_loop().run_in_executor(None, self._conditions.check)
-        if verdict.unknown and verdict.unknown != self._unknown_warned:
-            log.warning(
-                "run conditions on %s hold because the reading is unknown (%s)",
-                ", ".join(verdict.unknown), verdict.reading.describe(),
-            )  # fmt: skip
-        self._unknown_warned = verdict.unknown
-        if verdict.holds:
-            self._since_decline.clear()
-            return False
-        self._since_decline.set()
-        device, summary = self.device, self.device.summary
-        summary.declined[verdict.code] = summary.declined.get(verdict.code, 0) + 1
-        if phase == "train":
-            await self._link.follow_cluster(task.cluster_id)
-            try:  # the round's aggregate is applied all the same, from this task's model, built now: a later
-                # task (under HE, to a device that holds the model) may not carry what building it takes
-                device.pending[task.round_id] = Pending(task, self._work.base(task, phase))
-                self._work.model_for(task)
-            except TrainingError as exc:
-                log.warning(
-                    "round %d: declined without a model to apply its aggregate to: %s", task.round_id, exc
-                )
-        progress.info("round %d: declined (%s)", task.round_id, verdict.reason)
-        summary.reason = f"round {task.round_id}: declined: {verdict.reason}"  # what join prints at its end
-        err = Error(
-            client_id=device.client_id, round_id=task.round_id, code=verdict.code, reason=verdict.reason[:500]
-        )
-        await self._link.send(T.ERROR, encode(err))
-        return True
-
-    async def _reply(self, task: Task, phase: str, kind: str, msg: BaseMessage) -> tuple[float, int]:
-        """Send the reply to ``task`` and keep it, to answer the same task again with the same bytes."""
-        payload = encode(msg)
-        self._answer = _Answer(task.round_id, task.cluster_id, phase, kind, payload, session_of(task))
-        return await self._link.send(kind, payload)
-
-    async def recheck_conditions(self, hello: Callable[[], Awaitable[None]]) -> None:
-        """After a decline, check the run conditions every ``recheck_s`` seconds and ``hello()`` once they
-        hold again: a round that failed for want of this device's update runs again when a device comes back.
-        Runs until cancelled (FedClient.run owns it)."""
-        if self._conditions is None:
-            return
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._since_decline.wait()
-            await asyncio.sleep(self._conditions.recheck_s)
-            if not self._since_decline.is_set():
-                continue  # a task found them holding meanwhile
-            verdict = await loop.run_in_executor(None, self._conditions.check)
-            if not verdict.holds:
-                continue
-            try:
-                await hello()
-            except TransportError as exc:  # the link is down: its reconnect says hello anyway
-                log.warning("could not say hello after the run conditions came back: %s", exc)
-            self._since_decline.clear()
-            progress.info("run conditions hold again (%s): hello said", verdict.reading.describe())
-
-    async def on_task(self, task: Task, steps: TaskSteps) -> None:
-        device, link, summary = self.device, self._link, self.device.summary
-        phase = str(task.config.get("phase", "train"))
-        ans = self._answer
-        if ans is not None and ans.answers(task, phase):
-            if phase == "train":
-                await link.follow_cluster(task.cluster_id)
-            await link.send(ans.kind, ans.payload)
-            summary.resent += 1
-            log.info(
-                "round %d asked again: the same reply re-sent (%d bytes)", task.round_id, len(ans.payload)
-            )
-            return
-        try:
-            check_task(task, last_round=self._last_task_round)
-        except ValidationError as exc:
-            # a round that runs again under a new masking session, its first one having revealed nothing
-            rerun = self._masking is not None and exc.code == "stale_round" and self._masking.can_rerun(task)
-            if not rerun or task.round_id != self._last_task_round:
-                device.rejected.add(exc.code)
-                log.warning("rejected task: %s", exc.reason)
-                return
-        if await self._declined(task, phase):
-            return
-        self._last_task_round = task.round_id
-        if phase == "train":
-            await link.follow_cluster(task.cluster_id)
-        loop = asyncio.get_running_loop()
-        try:
-            if phase == "train" and self._masking is not None:
-                await self._masking.begin(task, link.publish)  # keys out before training (client/masking.py)
-            base = self._work.base(task, phase)
-            if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
-                self._work.size_pool(sum(int(b.size) for b in base))
-            if phase == "sketch":
-                msg: BaseMessage = await loop.run_in_executor(None, steps.sketch, task, base)
-                await self._reply(task, phase, T.SKETCH, msg)
-                log.info("round %d: sensitivity sketch sent", task.round_id)
-                return
-            pending = Pending(task, base)
-            device.pending[task.round_id] = pending
-            with self._work.quiet_pool(base):
-                msg, record = await loop.run_in_executor(None, steps.train, task, base)
-        except (UpdateWithheld, MaskingRefused) as exc:
-            summary.withheld += isinstance(exc, UpdateWithheld)
-            log.warning("round %d: %s", task.round_id, exc)
-            summary.reason = f"round {task.round_id}: {exc}"
-            err = Error(
-                client_id=device.client_id, round_id=task.round_id, code=exc.code, reason=str(exc)[:500]
-            )
-            await self._reply(task, phase, T.ERROR, err)
-            return
-        except (FedError, ValueError) as exc:
-            log.error("round %d: %s", task.round_id, exc)
-            summary.reason = f"round {task.round_id}: {exc}"
-            err = Error(
-                client_id=device.client_id, round_id=task.round_id, code="device", reason=str(exc)[:500]
-            )
-            await self._reply(task, phase, T.ERROR, err)
-            if not task.weights and device.model_round < 0:  # it dropped the model it said it held
-                await link.say_hello(link.publish)
-            return
-
-        def trained(upload_s: float, nbytes: int) -> None:
-            summary.rounds.append(
-                RoundRecord(
-                    task.round_id, task.cluster_id, record["num_samples"], record["loss"], record["train_s"],
-                    upload_s, nbytes, {k: v for k, v in record.items() if k not in ("num_samples", "loss")},
-                )
-            )  # fmt: skip
-
-        try:
-            upload_s, nbytes = await self._reply(task, phase, T.UPDATE, msg)
-        except TransportError:  # kept: the coordinator asks again and gets the same bytes
-            trained(float("nan"), 0)
-            raise
-        pending.upload_s, pending.nbytes = upload_s, nbytes
-        pending.encrypted_ratio = float(record.get("encrypted_ratio", 0.0))
-        trained(upload_s, nbytes)
-        if pending.leak_input is not None:  # off the critical path: the device now waits for the aggregate
-            pending.leak = loop.run_in_executor(None, steps.leak_count, task, *pending.leak_input)
-            pending.leak_input = None
-        log.info(  # detail (-v): the round's progress line is the one when its aggregate is applied
-            "round %d cluster %d: update sent (%d bytes, %.0f%% encrypted, %.2f s training)",
-            task.round_id, task.cluster_id, nbytes, 100 * record.get("encrypted_ratio", 0.0),
-            record["train_s"],
-        )  # fmt: skip

@@ -61,7 +61,48 @@ __all__ = ["PackedPaillierBackend"]
 MAX_SLOT_BITS = 63  # slot sums are handled as uint64/int64 when decoding
 
 
-class PackedPaillierBackend(PaillierFamily):
+class _ModNMasks(PaillierFamily):
+    """Secure-aggregation masks modulo n for a Paillier backend whose plaintext fills the modulus."""
+
+    _ring: ModRing | None = None
+
+    def mask_ring(self) -> ModRing:
+        """Z_n itself: a pack uses ``k·s`` of the modulus's ``|n| − 1`` bits, which leaves no power of two
+        with room for a cluster's sum of masked packs (``fedsdk.secagg.ring``). Decision: masks modulo n;
+        the sum of masked packs, ciphertexts and plaintexts alike, is then taken modulo n as Paillier
+        takes it, and a decrypted aggregate is the plain slot sum it was before."""
+        if self._ring is None:
+            self._ring = ModRing(int(self.keys.n))
+        return self._ring
+
+    def blind_packs(self, packs: Sequence[Any], blind: Any) -> list[Any]:
+        return self.mask_ring().add([int(p) for p in packs], blind)
+
+    def masked_plaintext_to_bytes(self, p: Any) -> bytes:
+        return int(p).to_bytes(self.mask_ring().nbytes, "little")
+
+    def masked_plaintext_from_bytes(self, data: bytes) -> Any:
+        ring = self.mask_ring()
+        if len(data) != ring.nbytes:
+            raise CiphertextError(f"masked pack must be {ring.nbytes} bytes, got {len(data)}")
+        m = self.ops.from_bytes(data, "little")
+        if m >= ring.modulus:
+            raise CiphertextError("masked pack at or above n")
+        return m
+
+    def masked_add_plains(self, a: Any, b: Any) -> Any:
+        return (a + b) % self.keys.n
+
+    def masked_correction(self, blind: Any, n_values: int) -> list[Any]:
+        if len(blind) != self.num_packs(n_values):
+            raise CiphertextError(f"a correction of {len(blind)} packs for {self.num_packs(n_values)}")
+        return [self.ops.big(int(v)) for v in blind]
+
+    def masked_unwrap(self, p: Any) -> Any:
+        return p % self.keys.n
+
+
+class PackedPaillierBackend(_ModNMasks):
     """Packed Paillier. Native plaintext: one int (all slots); native ciphertext: one int below n²."""
 
     name: ClassVar[str] = "packed"
@@ -93,7 +134,6 @@ class PackedPaillierBackend(PaillierFamily):
         self._plain_nbytes = (k * s + 7) // 8
         self._plain_limit = 1 << (k * s)
         self._prepared: _Prepared | None = None
-        self._ring: ModRing | None = None
 
     @classmethod
     def generate(
@@ -219,42 +259,6 @@ class PackedPaillierBackend(PaillierFamily):
         report.plaintext_bytes = sum(map(len, pts))
         masked = blind is not None
         return Contribution(self.name, self.key_id, n, w, sel, cts, pts, coins, masked), report
-
-    # ------------------------------------------------------------------ secure aggregation
-    def mask_ring(self) -> ModRing:
-        """Z_n itself: a pack uses ``k·s`` of the modulus's ``|n| − 1`` bits, which leaves no power of two
-        with room for a cluster's sum of masked packs (``fedsdk.secagg.ring``). Decision: masks modulo n;
-        the sum of masked packs, ciphertexts and plaintexts alike, is then taken modulo n as Paillier
-        takes it, and a decrypted aggregate is the plain slot sum it was before."""
-        if self._ring is None:
-            self._ring = ModRing(int(self.keys.n))
-        return self._ring
-
-    def blind_packs(self, packs: Sequence[Any], blind: Any) -> list[Any]:
-        return self.mask_ring().add([int(p) for p in packs], blind)
-
-    def masked_plaintext_to_bytes(self, p: Any) -> bytes:
-        return int(p).to_bytes(self.mask_ring().nbytes, "little")
-
-    def masked_plaintext_from_bytes(self, data: bytes) -> Any:
-        ring = self.mask_ring()
-        if len(data) != ring.nbytes:
-            raise CiphertextError(f"masked pack must be {ring.nbytes} bytes, got {len(data)}")
-        m = self.ops.from_bytes(data, "little")
-        if m >= ring.modulus:
-            raise CiphertextError("masked pack at or above n")
-        return m
-
-    def masked_add_plains(self, a: Any, b: Any) -> Any:
-        return (a + b) % self.keys.n
-
-    def masked_correction(self, blind: Any, n_values: int) -> list[Any]:
-        if len(blind) != self.num_packs(n_values):
-            raise CiphertextError(f"a correction of {len(blind)} packs for {self.num_packs(n_values)}")
-        return [self.ops.big(int(v)) for v in blind]
-
-    def masked_unwrap(self, p: Any) -> Any:
-        return p % self.keys.n
 
     def decrypt_ranks(self, agg: Aggregate, ranks: Sequence[int]) -> list[Any]:
         """Raw decryptions of ``agg.ciphertexts[r]`` for ``r`` in ``ranks``.

@@ -20,7 +20,6 @@ A device refuses, with ``min_aggregate`` in the reason:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,8 +44,6 @@ from fedsdk.secagg.shamir import random_secret, split
 from fedsdk.secagg.unmask import pair_sign
 
 __all__ = ["DeviceSession", "Neighbour"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,9 +131,6 @@ class DeviceSession:
             neighbours[cid] = Neighbour(cid, x, c_pk, s_pk, ok)
         if not index:
             raise ValidationError("bad_field", "a roster without this device")
-        if self.trust.ca is None and not certified:
-            log.info("masking keys of %d neighbours accepted unsigned (no CA): the coordinator could "
-                     "invent devices", len(neighbours))  # fmt: skip
         xs = [index] + [n.index for n in neighbours.values()]
         seed_shares = split(self._b, xs, roster.threshold)
         key_shares = split(self._s.private_bytes(), xs, roster.threshold)
