@@ -42,7 +42,9 @@ def make_engine(tmp_path: Path, he: HEBackend | None, **config: Any) -> RoundEng
 
 
 def device(broker: Any, engine: RoundEngine, cid: str, data: Any, **options: Any) -> FedClient:
-    """A plain-TCP FedClient of ``engine``'s federation on ``broker`` (no uplink probe)."""
+    """A plain-TCP FedClient of ``engine``'s federation on ``broker`` (no uplink probe), that takes part in
+    sums as small as the coordinator forms (``min_aggregate``, as an operator sets both)."""
+    options.setdefault("min_aggregate", engine.config.min_aggregate)
     return FedClient(
         broker.url,
         client_id=cid,
@@ -120,6 +122,7 @@ def he_rounds(federation: str, **options: Any) -> RoundConfig:
     config: dict[str, Any] = dict(
         strategy="fedsdk", rounds=2, min_clients=1, start_clients=1, deadline_s=20.0, seed=1,
         clustering=False, farewell_s=2.0, join_timeout_s=60.0,
+        secagg=False,  # a round of one device has no sum to mask
     )  # fmt: skip
     return RoundConfig(federation=federation, **{**config, **options})
 

@@ -1,5 +1,6 @@
 """What an operator sees at the console, from real processes: ``fedsdk demo``, and ``fedsdk coordinator`` with
-two ``fedsdk join`` devices on a real mosquitto, under the protected strategy (every update encrypted).
+three ``fedsdk join`` devices on a real mosquitto (the fewest a sum may hold by default), under the protected
+strategy (every update encrypted and masked).
 
 At default verbosity the coordinator and every device print one line per round, and nothing comes from the
 libraries (amqtt, transitions); at ``-vv`` the embedded amqtt broker's lines do appear, so the check of their
@@ -43,7 +44,7 @@ def lines(text: str, pattern: str) -> list[str]:
 def demo(tmp_path: Path, *verbosity: str) -> subprocess.CompletedProcess[str]:
     tmp_path.mkdir(exist_ok=True)
     out = run(
-        *verbosity, "demo", "--clients", "2", "--rounds", str(ROUNDS), "--epochs", "1", "--key-bits", "1024",
+        *verbosity, "demo", "--clients", "3", "--rounds", str(ROUNDS), "--epochs", "1", "--key-bits", "1024",
         "--model", "mlp16", "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "summary.json"),
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
@@ -53,7 +54,7 @@ def demo(tmp_path: Path, *verbosity: str) -> subprocess.CompletedProcess[str]:
 def test_the_demo_prints_one_line_per_round_and_nothing_from_the_libraries(tmp_path: Path) -> None:
     out = demo(tmp_path)
     per_round = lines(
-        out.stdout, r"^round \d+/2 cluster \d+: done, accuracy 0\.\d+, 2 updates, encrypted 100"
+        out.stdout, r"^round \d+/2 cluster \d+: done, accuracy 0\.\d+, 3 updates, encrypted 100"
     )
     assert [ln.split()[1] for ln in per_round] == ["1/2", "2/2"], out.stdout
     # the engine's own line for the same rounds is not printed beside the demo's
@@ -77,9 +78,9 @@ def test_the_demo_at_v_shows_fedsdk_detail_and_at_vv_the_embedded_brokers_lines(
 
 
 def _fleet_files(tmp: Path) -> tuple[dict[str, Path], Path, Path]:
-    """Two devices' data and held-out data, and the HE key folders: public (coordinator), shared (devices)."""
+    """Three devices' data and held-out data, and the HE key folders: public (coordinator), shared."""
     digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, 2, seed=0)
+    part = partition_iid(digits.y_train, 3, seed=0)
     files = {}
     for i, idx in enumerate(part.indices):
         files[f"d{i}"] = tmp / f"d{i}.npz"
@@ -107,7 +108,7 @@ def join(url: str, fed: str, cid: str, data: Path, eval_data: Path, he: Path) ->
 
 # devices with held-out data personalise by default (5 epochs): both lines show the personal figure
 COORDINATOR_LINE = (
-    CLOCK + r"round \d/2 cluster \d+: 2 updates, federated accuracy 0\.\d+ .*, personal accuracy [\d.]+.*"
+    CLOCK + r"round \d/2 cluster \d+: 3 updates, federated accuracy 0\.\d+ .*, personal accuracy [\d.]+.*"
     r"100% encrypted"
 )
 DEVICE_LINE = (
@@ -124,7 +125,7 @@ def test_coordinator_and_devices_print_one_line_per_round(tmp_path: Path) -> Non
     with start_mosquitto(tmp_path / "mosq") as broker:
         coord = start(
             "coordinator", "--broker", broker.url, "--insecure", "--federation", fed,
-            "--rounds", str(ROUNDS), "--min-clients", "2", "--start-clients", "2", "--model", "mlp16",
+            "--rounds", str(ROUNDS), "--min-clients", "3", "--start-clients", "3", "--model", "mlp16",
             "--epochs", "1", "--strategy", "fedsdk", "--he", str(public), "--exit-when-done",
             "--state-dir", str(tmp_path / "state"), "--http", f"127.0.0.1:{free_port()}",
         )  # fmt: skip

@@ -112,11 +112,11 @@ async def test_a_device_with_only_its_own_dependencies_runs_a_protected_federati
         public = save_he(tmp_path / "he-public", full, include_secret=False)
         secret = save_he(tmp_path / "he-device", full, include_secret=True)
     digits = load_digits()
-    part = partition_iid(digits.y_train, 2, seed=0)
+    part = partition_iid(digits.y_train, 3, seed=0)  # three: the fewest a masked sum holds by default
     fed = f"do{secrets.token_hex(3)}"
     config = CoordinatorConfig(
         rounds=RoundConfig(
-            federation=fed, rounds=2, min_clients=2, start_clients=2, strategy="fedsdk", seed=1,
+            federation=fed, rounds=2, min_clients=3, start_clients=3, strategy="fedsdk", seed=1,
             deadline_s=60,
         ),
         state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True, he_dir=public,
@@ -148,12 +148,13 @@ async def test_a_device_with_only_its_own_dependencies_runs_a_protected_federati
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err.decode()[-3000:]
     assert engine.state == "finished" and engine.completed_round == 2, engine.detail
-    for i in range(2):
+    for i in range(3):
         summary: dict[str, Any] = json.loads((tmp_path / f"d{i}.json").read_text())
         assert summary["state"] == "finished" and summary["applied_rounds"] == [1, 2], summary
         assert all(r["timings"]["encrypted_ratio"] > 0 for r in summary["rounds"]), summary["rounds"]
         modules = json.loads((tmp_path / f"d{i}.mods").read_text())
         assert "fedsdk.client" in modules and "fedsdk.crypto.packed" in modules
+        assert "fedsdk.secagg.session" in modules  # every update went masked
         tops = {m.partition(".")[0] for m in modules}
         assert not tops & set(NOT_ON_A_DEVICE), sorted(tops & set(NOT_ON_A_DEVICE))
         assert {m for m in modules if m.startswith("fedsdk.cli.")} <= DEVICE_CLI, modules

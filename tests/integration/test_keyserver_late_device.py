@@ -36,11 +36,13 @@ async def test_a_late_device_is_left_out_instead_of_training_from_the_initial_mo
     shards = digit_shards(3)
     rounds = RoundConfig(
         federation="kslate", strategy="fedsdk", key_mode="keyserver", rounds=5, min_clients=2,
-        start_clients=2, deadline_s=30.0, seed=1, clustering=False, farewell_s=5.0,
+        start_clients=2, deadline_s=30.0, seed=1, clustering=False, farewell_s=5.0, min_aggregate=2,
     )  # fmt: skip
     transport = MqttTransport.from_url(broker.url, client_id="keyserver", insecure=True)
     async with transport, coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
-        keyserver = asyncio.create_task(KeyServer(transport, load_he(secret), federation="kslate").run())
+        keyserver = asyncio.create_task(
+            KeyServer(transport, load_he(secret), federation="kslate", min_aggregate=2).run()
+        )
         bases: list[dict[int, list[np.ndarray]]] = [{}, {}, {}]
         first = [device(broker, engine, f"d{i}", shards[i], he=load_he(public)) for i in range(2)]
         for d, b in zip(first, bases, strict=False):

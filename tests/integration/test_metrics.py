@@ -44,7 +44,9 @@ async def test_a_scrape_after_a_federation_parses_and_holds_every_series(tmp_pat
     digits = load_digits(shape="flat")
     part = partition_iid(digits.y_train, 2, seed=0)
     fed = f"mx{secrets.token_hex(3)}"
-    rounds = RoundConfig(federation=fed, rounds=2, min_clients=2, start_clients=2, farewell_s=5.0)
+    rounds = RoundConfig(
+        federation=fed, rounds=2, min_clients=2, start_clients=2, farewell_s=5.0, min_aggregate=2
+    )
     with start_mosquitto(tmp_path / "mosq") as broker:
         config = CoordinatorConfig(
             rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True
@@ -130,7 +132,13 @@ async def test_an_he_federation_scrape_holds_every_series_the_dashboard_reads(tm
         public = save_he(tmp_path / "he-public", he, include_secret=False)
         shared = save_he(tmp_path / "he-shared", he, include_secret=True)
     rounds = RoundConfig(
-        federation=fed, rounds=2, min_clients=2, start_clients=2, strategy="fedsdk", farewell_s=5.0
+        federation=fed,
+        rounds=2,
+        min_clients=2,
+        start_clients=2,
+        strategy="fedsdk",
+        farewell_s=5.0,
+        min_aggregate=2,
     )
     with start_mosquitto(tmp_path / "mosq") as broker:
         config = CoordinatorConfig(

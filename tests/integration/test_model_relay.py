@@ -43,7 +43,7 @@ async def test_a_device_without_the_model_gets_it_relayed_and_trains_from_it(
     public, secret = he_key_dirs(tmp_path)
     shards = digit_shards(3)
     rounds = RoundConfig(
-        federation=f"relay{who}", strategy="fedsdk", rounds=5, min_clients=2,
+        federation=f"relay{who}", strategy="fedsdk", rounds=5, min_clients=2, min_aggregate=2,
         start_clients=2 if who == "new" else 3,
         deadline_s=30.0, seed=1, clustering=False, farewell_s=5.0,
     )  # fmt: skip

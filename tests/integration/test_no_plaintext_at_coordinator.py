@@ -19,9 +19,14 @@ Detector: the byte strings of every window of three consecutive non-trivial valu
 update, as little-endian float32 (12 bytes) and float64 (24 bytes), at any byte offset; every pack of the
 update in the packed backend's clear encoding (how the clear part of an ``EncryptedUpdate`` travels and is
 stored); and every number written in a text (logs, HTTP responses, text columns) that rounds to a
-non-integral float32 value of an update. The ``plaintext`` strategy is the control: the same detector must
-find every update there, in the stored reply envelopes. Planted copies of a real update in the ``fedsdk``
-run's own haystacks (a reply with clear packs saved through the store, a log line) must be found too.
+non-integral float32 value of an update. The ``plaintext`` strategy without secure aggregation is the
+control: the same detector must find every update there, in the stored reply envelopes; with it (the
+default) it finds none. Planted copies of a real update in the ``fedsdk`` run's own haystacks (a reply with
+clear packs saved through the store, a log line) must be found too.
+
+Under secure aggregation a stored ``fedsdk`` reply decrypted with the devices' own key (a stolen device's,
+or the key server's) is noise: no update decodes from it; the round's aggregate decrypts to the
+devices' weighted mean.
 
 The key size is 1024 bits to keep the test short; the property does not depend on it.
 """
@@ -51,11 +56,17 @@ from brokers import require_mosquitto, start_mosquitto
 from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend, generate_backend
 from fedsdk.crypto.pool import auto_capacity
+from fedsdk.errors import CiphertextError
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
 from fedsdk.model.data import load_digits, partition_iid
-from fedsdk.pipeline import contribution_from_message, flatten, message_from_contribution
-from fedsdk.protocol import EncryptedUpdate, Update, decode, encode
+from fedsdk.pipeline import (
+    contribution_from_message,
+    flatten,
+    he_aggregate_from_message,
+    message_from_contribution,
+)
+from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, MaskedUpdate, Update, decode, encode
 from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
 from fedsdk_coordinator.app import ENGINE, model_for
 from fedsdk_coordinator.store import Store
@@ -301,6 +312,8 @@ async def federate(
     strategy: str,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    *,
+    secagg: bool = True,
 ) -> Run:
     """Run the federation, gathering every haystack; the HE keys are made here under HE strategies."""
     caplog.set_level(logging.DEBUG)
@@ -339,7 +352,7 @@ async def federate(
     part = partition_iid(digits.y_train, len(DEVICES), seed=0)  # same data distribution: one cluster
     rounds = RoundConfig(
         federation=f"np{secrets.token_hex(3)}", rounds=ROUNDS, min_clients=2, start_clients=len(DEVICES),
-        strategy=strategy, farewell_s=5.0,
+        strategy=strategy, farewell_s=5.0, secagg=secagg,
     )  # fmt: skip
     trainers = [
         RecordingTrainer(cid, OnnxModel.from_bundle(bundle), digits.x_train[idx], digits.y_train[idx], rounds)
@@ -507,13 +520,15 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
     assert run.budgets and set(run.budgets.values()) == {1.0}, run.budgets
     assert min(Counter(run.clusters.values()).values()) >= 2, run.clusters
     assert not (run.state_dir.parent / "he-public" / "he_secret.bin").exists()
-    # Every stored training reply is all ciphertext, and under it (decrypted here with the devices' key) is
-    # the update the detector searches for: the values searched are the values sent.
+    # Every stored training reply is all ciphertext; decrypted here with the devices' key (a stolen device's)
+    # it is noise under the masks, while each round's aggregate decrypts to the devices' weighted mean of the
+    # updates the detector searches for: the values searched are the values sent.
     assert run.he is not None and run.device_he is not None
     truths = {(t.client_id, t.fit): t for t in run.truths}
     updates = [m for m in map(decode, run.hay.replies) if isinstance(m, EncryptedUpdate)]
     assert not any(isinstance(m, Update) for m in map(decode, run.hay.replies))
     assert sorted((m.client_id, m.round_id) for m in updates) == sorted(truths)
+    assert all(m.session for m in updates), "an update went unmasked"
     # The default obfuscator pool ran from the sketch round on; it filled while the devices waited and
     # trained, and the budgets count what each device's last update said its pool held.
     packs = run.he.num_packs(run.truths[0].values.size)
@@ -522,12 +537,23 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
     assert sum(m.metrics["from_pool"] for m in updates) > 0, "no obfuscator came from the pool"
     last = {m.client_id: m for m in sorted(updates, key=lambda m: m.round_id)}
     assert run.pool_known == {c: int(m.metrics["pool_ready"]) * run.he.pack_size for c, m in last.items()}
-    with load_he(run.device_he) as keyholder:
+    with load_he(run.device_he) as keyholder, Store(run.state_dir / "coordinator.sqlite") as store:
+        nothing = keyholder.mask_ring().expand_sum([], keyholder.num_packs(run.truths[0].values.size))
         for m in updates:
             assert m.plaintexts == b"" and bool(np.all(m.mask[0])), f"{m.client_id} sent a clear part"
-            sent = keyholder.decrypt_aggregate(keyholder.aggregate([contribution_from_message(m)]))
-            want = np.clip(truths[m.client_id, m.round_id].values, -0.5, 0.5)
-            np.testing.assert_allclose(sent, want, rtol=0, atol=keyholder.quantisation_bound * 1.01)
+            alone = keyholder.aggregate([contribution_from_message(m)], nothing)
+            with pytest.raises(CiphertextError, match="slot area"):  # uniform modulo n: no slot sum decodes
+                keyholder.decrypt_aggregate(alone)
+        for r in range(1, ROUNDS + 1):
+            this = [t for t in run.truths if t.fit == r]
+            env = store.encrypted(0, r)
+            assert env is not None and len(this) == len(DEVICES)
+            agg = decode(env)
+            assert isinstance(agg, EncryptedAggregate)
+            got = keyholder.decrypt_aggregate(he_aggregate_from_message(agg))
+            total = sum(t.weight for t in this)
+            want = sum(t.weight * np.clip(t.values, -0.5, 0.5) for t in this) / total
+            np.testing.assert_allclose(got, want, rtol=0, atol=keyholder.quantisation_bound * 1.01)
 
     found = detect(run)
     assert found.empty, (found.binary, found.numbers)
@@ -556,12 +582,28 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
     assert [u for _, u in with_plant.numbers["planted log"]] == [truth.name] * 3
 
 
+async def test_masked_plaintext_coordinator_holds_no_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without HE but with secure aggregation (the default: SecAgg+), the coordinator stores each device's
+    masked codes, reads only their sum, and the detector finds no update anywhere."""
+    run = await federate(tmp_path, "plaintext", monkeypatch, caplog)
+    check_coverage(run)
+    updates = [m for m in map(decode, run.hay.replies) if isinstance(m, MaskedUpdate)]
+    assert sorted((m.client_id, m.round_id) for m in updates) == sorted(
+        (t.client_id, t.fit) for t in run.truths
+    )
+    found = detect(run)
+    assert found.empty, (found.binary, found.numbers)
+
+
 async def test_plaintext_coordinator_holds_every_update_where_the_detector_looks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The control: without HE the coordinator stores each reply envelope (raw float32 deltas) until its
-    round completes, and the detector finds every update of every device there."""
-    run = await federate(tmp_path, "plaintext", monkeypatch, caplog)
+    """The control: without HE and without secure aggregation the coordinator stores each reply envelope
+    (raw float32 deltas) until its round completes, and the detector finds every update of every device
+    there."""
+    run = await federate(tmp_path, "plaintext", monkeypatch, caplog, secagg=False)
     check_coverage(run)
     # The envelopes the detector searches hold exactly the recorded updates.
     truths = {(t.client_id, t.fit): t for t in run.truths}

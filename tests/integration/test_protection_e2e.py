@@ -37,7 +37,7 @@ async def test_devices_check_their_rows_hold_the_cap_and_noise_the_clear_part(tm
     part = partition_label_skew(digits.y_train, 2, n_groups=1, seed=0)
     rounds = RoundConfig(
         federation=f"pr{secrets.token_hex(3)}", rounds=2, min_clients=2, start_clients=2, strategy="fedsdk",
-        clustering=False, budget_cap=0.3, mask_noise=0.03, mask_clip=1.0, farewell_s=5.0,
+        clustering=False, budget_cap=0.3, mask_noise=0.03, mask_clip=1.0, farewell_s=5.0, min_aggregate=2,
     )  # fmt: skip
     with start_mosquitto(tmp_path / "mosq") as broker:
         async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:

@@ -140,7 +140,13 @@ async def test_every_response_of_a_real_federation_matches_the_description(
     )
     fed = f"oa{secrets.token_hex(3)}"
     rounds = RoundConfig(
-        federation=fed, rounds=2, min_clients=2, start_clients=devices, strategy=strategy, farewell_s=3.0
+        federation=fed,
+        rounds=2,
+        min_clients=2,
+        start_clients=devices,
+        strategy=strategy,
+        farewell_s=3.0,
+        min_aggregate=2,  # two label groups of two devices: two clusters
     )
     fetched: dict[str, int] = {}
     statuses: dict[str, set[int]] = {}

@@ -89,7 +89,7 @@ async def test_a_device_on_battery_declines_and_takes_part_once_charging(
     rounds = RoundConfig(
         federation=f"runcond{strategy}", strategy=strategy, rounds=2, min_clients=2, start_clients=3,
         deadline_s=DEADLINE_S, seed=1, clustering=False,
-        farewell_s=5.0,
+        farewell_s=5.0, min_aggregate=2,
     )  # fmt: skip
     async with http_coordinator(tmp_path, broker, rounds, he_dir=he_dir) as http:
         engine = http.app[ENGINE]
@@ -173,7 +173,7 @@ async def test_a_round_short_of_its_quorum_runs_again_when_the_device_is_chargin
     power = power_supply(tmp_path / "power_supply", charging=False)
     rounds = RoundConfig(
         federation="runcond2", rounds=1, min_clients=2, start_clients=2, deadline_s=DEADLINE_S, seed=1,
-        farewell_s=5.0,
+        farewell_s=5.0, min_aggregate=2,
     )  # fmt: skip
     config = CoordinatorConfig(
         rounds=rounds, state_dir=tmp_path / "state", model="mlp", broker_url=broker.url, insecure=True

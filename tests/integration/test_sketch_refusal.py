@@ -31,7 +31,7 @@ async def test_a_device_with_two_samples_sends_no_sketch(tmp_path: Path, broker:
     part = partition_iid(digits.y_train, 4, seed=1)
     rounds = RoundConfig(
         federation=f"sk{secrets.token_hex(3)}", seed=1, rounds=2, min_clients=2, start_clients=3,
-        strategy="plaintext", clustering=True, farewell_s=5.0,
+        strategy="plaintext", clustering=True, farewell_s=5.0, min_aggregate=2,
     )  # fmt: skip
     async with http_coordinator(tmp_path, broker, rounds) as http:
         engine = http.app[ENGINE]

@@ -50,7 +50,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default="mlp", help="mlp, mlpN (N hidden units) or cnn")
     p.add_argument("--partition", default="iid", choices=["iid", "label-skew", "dirichlet"])
-    p.add_argument("--groups", type=int, default=4, help="label-skew: number of ground-truth groups")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="label-skew: number of ground-truth groups (default: clients / 4, so that each group can be "
+        "a cluster of at least --min-aggregate devices)",
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -75,7 +81,10 @@ def _partition(args: argparse.Namespace, y: Any) -> Any:
         return data.partition_iid(y, args.clients, seed=args.seed)
     if args.partition == "label-skew":
         return data.partition_label_skew(
-            y, args.clients, n_groups=min(args.groups, args.clients), seed=args.seed
+            y,
+            args.clients,
+            n_groups=min(args.groups or max(1, args.clients // 4), args.clients),
+            seed=args.seed,
         )
     return data.partition_dirichlet(y, args.clients, alpha=0.5, seed=args.seed)
 
@@ -104,6 +113,14 @@ def _reap(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.rounds < 1:
         print("fedsdk demo: --clients and --rounds must be at least 1", file=sys.stderr)
+        return 2
+    if args.secagg == "on" and args.clients < args.min_aggregate:
+        print(
+            f"fedsdk demo: --clients {args.clients} is below --min-aggregate {args.min_aggregate}: a sum of "
+            f"fewer devices would show each device the others' updates. Use --clients {args.min_aggregate} "
+            "or more (or --secagg off to see the federation without secure aggregation)",
+            file=sys.stderr,
+        )
         return 2
     args.key_mode = args.key_mode or "shared"
     from fedsdk_coordinator.engine.cluster import ROUND_LINES

@@ -32,10 +32,11 @@ from fedsdk.secagg.ring import MaskRing
 from fedsdk.secagg.session import DeviceSession
 from fedsdk.transport import TlsConfig
 
-__all__ = ["Masking", "session_of"]
+__all__ = ["SUPERSEDED", "Masking", "session_of"]
 
 log = logging.getLogger(__name__)
 KEEP_ROUNDS = 3  # sessions kept behind the newest (their unmask requests come after the update)
+SUPERSEDED = "secagg_superseded"  # a session the round left for a new one: its task answers nothing
 
 
 def session_of(task: Task) -> str | None:
@@ -147,6 +148,17 @@ class Masking:
             live.ready.cancel()
         elif not live.ready.cancelled():
             live.ready.exception()  # retrieved, so that asyncio does not log it as never retrieved
+
+    def supersede(self, task: Task) -> None:
+        """``task`` runs its round under a new session (the round failed and runs again): a task of the old
+        session still waiting for its relay stops at once, sending nothing (``secagg_superseded``), so that
+        the new one need not wait for it."""
+        sid = session_of(task)
+        live = self._live.get(self._key(task))
+        if sid is not None and live is not None and live.session.ctx.session != sid and not live.ready.done():
+            live.ready.set_exception(
+                MaskingRefused(SUPERSEDED, "the round runs again under a new session", round_id=task.round_id)
+            )
 
     async def resend(self, task: Task, publish: Publish) -> None:
         """What ``task``'s session sent so far, again (the coordinator asked again)."""

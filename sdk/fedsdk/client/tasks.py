@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedsdk.client.link import Link
-from fedsdk.client.masking import Masking, session_of
+from fedsdk.client.masking import SUPERSEDED, Masking, session_of
 from fedsdk.client.state import DeviceState, Pending, RoundRecord
 from fedsdk.client.work import Base, Work
 from fedsdk.conditions import RunConditions, Verdict
@@ -110,6 +110,7 @@ class Tasks:
         takes the masking messages its round needs (``client/masking.py``) and the shares of earlier
         rounds. A failed upload is counted; the coordinator asks again later."""
         if self._masking is not None:
+            self._masking.supersede(task)
             await self._masking.resend(task, self._link.publish)
 
         async def run() -> None:
@@ -233,6 +234,9 @@ class Tasks:
             with self._work.quiet_pool(base):
                 msg, record = await loop.run_in_executor(None, steps.train, task, base)
         except (UpdateWithheld, MaskingRefused) as exc:
+            if isinstance(exc, MaskingRefused) and exc.code == SUPERSEDED:  # the round runs again: no answer
+                log.info("round %d: %s", task.round_id, exc)
+                return
             summary.withheld += isinstance(exc, UpdateWithheld)
             log.warning("round %d: %s", task.round_id, exc)
             summary.reason = f"round {task.round_id}: {exc}"
