@@ -1,4 +1,5 @@
-"""A RoundEngine for tests that drive it by hand: a small MLP, a fresh store, publications dropped."""
+"""Engines and devices for tests: a RoundEngine driven by hand (a small MLP, a fresh store, publications
+recorded), coordinators on a real broker, FedClients of their federation."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend, generate_backend
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model.data import load_digits, partition_iid
+from fedsdk.protocol import Aggregate, BaseMessage, EncryptedAggregate, Hello, Sketch, Task, decode, encode
+from fedsdk.protocol import topics as T
 from fedsdk_coordinator.app import ENGINE, CoordinatorConfig, create_app
 from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 
 SPEC = mlp(hidden=(8,))
+SKETCH_DIM = 8  # the hand-driven engine's sketch size
 
 
 def make_engine(tmp_path: Path, he: HEBackend | None, **config: Any) -> RoundEngine:
@@ -146,3 +150,86 @@ def slowed(client: FedClient, delay_s: float, bases: dict[int, list[np.ndarray]]
         return fit(task, base)
 
     client._fit = slow_fit  # type: ignore[method-assign]
+
+
+class Driven:
+    """One coordinator instance on a store file, driven by hand: devices speak through ``RoundEngine.handle``
+    and the engine publishes into a list; ``crash()`` ends it the way ``kill -9`` would."""
+
+    def __init__(
+        self, path: Path, *, federation: str, rounds: int = 2, he: HEBackend | None = None, **kw: Any
+    ) -> None:
+        self.federation = federation
+        self.published: list[tuple[str, BaseMessage, bytes]] = []
+        self.store = Store(path)
+        config = RoundConfig(
+            federation=federation,
+            rounds=rounds,
+            min_clients=kw.pop("min_clients", 3),
+            start_clients=3,
+            deadline_s=3600.0,
+            join_timeout_s=3600.0,
+            report_timeout_s=kw.pop("report_timeout_s", 0.2),
+            sketch_dim=SKETCH_DIM,
+            strategy=kw.pop("strategy", "plaintext"),
+            farewell_s=0.0,  # the simulated devices never say goodbye
+            # the simulated devices' replies are built by hand, unmasked unless a test asks (a masked
+            # round's devices: tests/coordinator/test_secagg_engine.py)
+            secagg=kw.pop("secagg", False),
+            **kw,
+        )
+        self.engine = RoundEngine(
+            config,
+            store=self.store,
+            bundle=build_graphs(SPEC),
+            initial_weights=init_params(SPEC, seed=0),
+            eval_data=None,
+            publish=self._publish,
+            he=he,
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        self.published.append((topic, decode(payload), payload))
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.engine.run())
+
+    def hello(self, *cids: str) -> None:
+        for cid in cids:
+            self.engine.handle(T.up(self.federation, cid, T.HELLO), encode(Hello(cid, 10, "0.1.0")))
+
+    def send(self, cid: str, msg: BaseMessage) -> bytes:
+        kind = T.SKETCH if isinstance(msg, Sketch) else T.UPDATE
+        payload = encode(msg)
+        self.engine.handle(T.up(self.federation, cid, kind), payload)
+        return payload
+
+    def tasks(self, round_id: int) -> dict[str, list[Task]]:
+        out: dict[str, list[Task]] = {}
+        for topic, msg, _ in self.published:
+            if isinstance(msg, Task) and msg.round_id == round_id:
+                out.setdefault(topic.rsplit("/", 1)[1], []).append(msg)
+        return out
+
+    def aggregates(self) -> list[tuple[BaseMessage, bytes]]:
+        return [(m, raw) for _, m, raw in self.published if isinstance(m, Aggregate | EncryptedAggregate)]
+
+    async def until(self, cond: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert self.task is None or not self.task.done(), f"the engine stopped: {self.engine.state}"
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.005)
+
+    async def crash(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.store.close()
+
+    async def finish(self, timeout: float = 60.0) -> None:
+        await asyncio.wait_for(self.engine.finished.wait(), timeout)
+        assert self.task is not None
+        await self.task
+        self.store.close()

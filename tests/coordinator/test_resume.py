@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from engines import SKETCH_DIM, Driven
 from fedsdk.crypto import HEBackend, generate_backend, load_backend
 from fedsdk.errors import ConfigError
 from fedsdk.pipeline import he_aggregate_from_message, message_from_contribution
@@ -25,107 +24,27 @@ from fedsdk.protocol import (
     BYE_LEAVING,
     BYE_LOST,
     Aggregate,
-    BaseMessage,
     Bye,
     EncryptedAggregate,
     EncryptedUpdate,
-    Hello,
     Report,
     Sketch,
-    Task,
     Update,
-    decode,
     encode,
 )
 from fedsdk.protocol import topics as T
 from fedsdk_coordinator.aggregate import fedavg
-from fedsdk_coordinator.models import build_graphs, init_params, mlp
-from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
+from fedsdk_coordinator.models import init_params, mlp
 from fedsdk_coordinator.store import Store
 
 FED = "resumefed"
 DEVICES = ("d0", "d1", "d2")
 SPEC = mlp(hidden=(8,))
-SKETCH_DIM = 8
 
 
-class Coordinator:
-    """One coordinator instance on a store file; ``crash()`` ends it the way ``kill -9`` would."""
-
-    def __init__(self, path: Path, *, rounds: int = 2, he: HEBackend | None = None, **kw: Any) -> None:
-        self.published: list[tuple[str, BaseMessage, bytes]] = []
-        self.store = Store(path)
-        config = RoundConfig(
-            federation=FED,
-            rounds=rounds,
-            min_clients=kw.pop("min_clients", 3),
-            start_clients=3,
-            deadline_s=3600.0,
-            join_timeout_s=3600.0,
-            report_timeout_s=kw.pop("report_timeout_s", 0.2),
-            sketch_dim=SKETCH_DIM,
-            strategy=kw.pop("strategy", "plaintext"),
-            farewell_s=0.0,  # the simulated devices never say goodbye
-            # the simulated devices' replies are built here, unmasked: a masked round resumes in
-            # tests/coordinator/test_secagg_engine.py
-            secagg=kw.pop("secagg", False),
-            **kw,
-        )
-        self.engine = RoundEngine(
-            config,
-            store=self.store,
-            bundle=build_graphs(SPEC),
-            initial_weights=init_params(SPEC, seed=0),
-            eval_data=None,
-            publish=self._publish,
-            he=he,
-        )
-        self.task: asyncio.Task[None] | None = None
-
-    async def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
-        self.published.append((topic, decode(payload), payload))
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.engine.run())
-
-    def hello(self, *cids: str) -> None:
-        for cid in cids:
-            self.engine.handle(T.up(FED, cid, T.HELLO), encode(Hello(cid, 10, "0.1.0")))
-
-    def send(self, cid: str, msg: BaseMessage) -> bytes:
-        kind = T.SKETCH if isinstance(msg, Sketch) else T.UPDATE
-        payload = encode(msg)
-        self.engine.handle(T.up(FED, cid, kind), payload)
-        return payload
-
-    def tasks(self, round_id: int) -> dict[str, list[Task]]:
-        out: dict[str, list[Task]] = {}
-        for topic, msg, _ in self.published:
-            if isinstance(msg, Task) and msg.round_id == round_id:
-                out.setdefault(topic.rsplit("/", 1)[1], []).append(msg)
-        return out
-
-    def aggregates(self) -> list[tuple[BaseMessage, bytes]]:
-        return [(m, raw) for _, m, raw in self.published if isinstance(m, Aggregate | EncryptedAggregate)]
-
-    async def until(self, cond: Callable[[], bool], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert self.task is None or not self.task.done(), f"the engine stopped: {self.engine.state}"
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.005)
-
-    async def crash(self) -> None:
-        assert self.task is not None
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.store.close()
-
-    async def finish(self, timeout: float = 60.0) -> None:
-        await asyncio.wait_for(self.engine.finished.wait(), timeout)
-        assert self.task is not None
-        await self.task
-        self.store.close()
+def Coordinator(path: Path, **kw: Any) -> Driven:
+    """A hand-driven coordinator of this file's federation (``tests/engines.py``)."""
+    return Driven(path, federation=FED, **kw)
 
 
 def update(cid: str, shapes: list[tuple[int, ...]], round_id: int, cluster_id: int = 0) -> Update:
