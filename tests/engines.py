@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,11 +17,26 @@ from fedsdk.client import FedClient
 from fedsdk.crypto import HEBackend, generate_backend
 from fedsdk.hekeys import load_he, save_he
 from fedsdk.model.data import load_digits, partition_iid
-from fedsdk.protocol import Aggregate, BaseMessage, EncryptedAggregate, Hello, Sketch, Task, decode, encode
+from fedsdk.protocol import (
+    Aggregate,
+    BaseMessage,
+    EncryptedAggregate,
+    Hello,
+    MaskKeys,
+    MaskShares,
+    Sketch,
+    Task,
+    UnmaskRequest,
+    UnmaskShares,
+    decode,
+    encode,
+)
 from fedsdk.protocol import topics as T
+from fedsdk.secagg.keys import Context
 from fedsdk_coordinator.app import ENGINE, CoordinatorConfig, create_app
 from fedsdk_coordinator.models import build_graphs, init_params, mlp
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
+from fedsdk_coordinator.secagg import MaskingRound
 from fedsdk_coordinator.store import Store
 
 SPEC = mlp(hidden=(8,))
@@ -233,3 +248,33 @@ class Driven:
         assert self.task is not None
         await self.task
         self.store.close()
+
+
+def observed_correction(seen: Iterable[Any], federation: str, round_id: int, cluster_id: int) -> list[Any]:
+    """The correction terms of a masked round as the masking messages in ``seen`` give them (the keys,
+    shares and unmask shares the devices sent, the sum the coordinator named on the cluster topic): what
+    removes the masks from the sum of the masked updates an observer saw, whichever coordinator instance
+    formed it (``fedsdk_coordinator.secagg``, run again here on the observed messages)."""
+    msgs = [
+        m
+        for m in seen
+        if getattr(m, "round_id", None) == round_id and getattr(m, "cluster_id", None) == cluster_id
+    ]
+    (request,) = {m.session: m for m in msgs if isinstance(m, UnmaskRequest)}.values()
+    mine = [m for m in msgs if getattr(m, "session", None) == request.session]
+    keys = [m for m in mine if isinstance(m, MaskKeys)]
+    m = MaskingRound(
+        Context(federation, round_id, cluster_id, request.session), frozenset(k.client_id for k in keys), 2
+    )
+    for k in keys:
+        m.take_keys(k)
+    m.fix_members()
+    for sh in mine:
+        if isinstance(sh, MaskShares):
+            m.take_shares(sh)
+    m.fix_partners()
+    m.name_sum(set(request.survivors))
+    for u in mine:
+        if isinstance(u, UnmaskShares):
+            m.take_unmask(u)
+    return m.correction()

@@ -1,7 +1,11 @@
 """A plaintext federation end to end: a real broker (mosquitto with mutual TLS, or the embedded amqtt
 broker), the real aiohttp coordinator, and device *processes* (``python -m fedsdk join``) training with
-onnxruntime. An observer subscribed to the whole federation records every task, update and aggregate, and
-the test recomputes FedAvg from them in-process: the coordinator's model must equal it to 1e-6.
+onnxruntime, under secure aggregation (the default): each device signs its masking keys with its
+certificate and checks its neighbours' against the fleet CA. An observer subscribed to the whole
+federation records every task, masked update, masking message and aggregate, and the test recomputes
+each round's mean from them in-process: the masked codes it saw, summed with the correction the masking
+messages it saw give, decoded: the coordinator's model must equal it bit for bit. No observed update is
+close to the mean (each is noise).
 """
 
 from __future__ import annotations
@@ -22,9 +26,25 @@ import pytest
 from aiohttp import web
 
 from brokers import find_mosquitto, free_port, start_mosquitto
+from engines import observed_correction
 from fedsdk.model.data import load_digits, partition_iid, save_npz
-from fedsdk.protocol import Aggregate, Hello, Status, Task, Update, decode, encode
+from fedsdk.protocol import (
+    Aggregate,
+    Hello,
+    MaskedUpdate,
+    MaskRelay,
+    MaskRoster,
+    Status,
+    Task,
+    Update,
+    decode,
+    encode,
+)
 from fedsdk.protocol import topics as T
+from fedsdk.secagg.identity import Signer, Trust
+from fedsdk.secagg.keys import Context
+from fedsdk.secagg.plain import PLAIN_FIXED, RING32, decode_sum
+from fedsdk.secagg.session import DeviceSession
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator import CoordinatorConfig, EmbeddedBrokerConfig, RoundConfig, create_app
 from fedsdk_coordinator.app import ENGINE
@@ -151,11 +171,13 @@ async def federate(
 
 
 def check_fedavg(engine: Any, observer: Observer, rounds: int) -> None:
-    """Recompute FedAvg of every round from the observed tasks and updates."""
+    """Recompute every round's mean from the observed tasks, masked updates and masking messages."""
     tasks = observer.of(Task)
-    updates = observer.of(Update)
+    updates = observer.of(MaskedUpdate)
+    assert not observer.of(Update), "an update went unmasked"
     aggs = {m.round_id: m for _, m in observer.of(Aggregate)}
     assert sorted(aggs) == list(range(1, rounds + 1))
+    fed = engine.config.federation
     for r in range(1, rounds + 1):
         round_tasks = [m for topic, m in tasks if m.round_id == r and topic.split("/")[3] in DEVICES]
         assert len(round_tasks) == len(DEVICES)
@@ -165,14 +187,22 @@ def check_fedavg(engine: Any, observer: Observer, rounds: int) -> None:
                 np.testing.assert_array_equal(a, b)
         ups = [m for topic, m in updates if m.round_id == r and topic.split("/")[3] in DEVICES]
         assert sorted(u.client_id for u in ups) == list(DEVICES)
-        total = sum(u.num_samples for u in ups)
-        expected = [
-            w + sum(u.num_samples * np.asarray(u.delta[k], np.float64) for u in ups) / total
-            for k, w in enumerate(base)
-        ]
-        assert aggs[r].total_samples == total
+        n = ups[0].n_values
+        terms = observed_correction([m for _, m in observer.seen], fed, r, 0)
+        codes = RING32.expand_sum(terms, n)[:, 0].copy()
+        for u in ups:
+            codes += u.codes
+        mean = decode_sum(codes, sum(u.weight for u in ups), PLAIN_FIXED)
+        expected, pos = [], 0
+        for w in base:
+            expected.append((w + mean[pos : pos + w.size].reshape(w.shape)).astype(np.float32))
+            pos += w.size
+        assert aggs[r].total_samples == sum(u.num_samples for u in ups)
         for got, want in zip(aggs[r].weights, expected):
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+            np.testing.assert_array_equal(got, want)
+        for u in ups:  # one device's masked codes, decoded alone, are noise: nothing like the mean
+            alone = decode_sum(u.codes, u.weight, PLAIN_FIXED) if int(u.codes.max()) < 2**17 else None
+            assert alone is None or float(np.abs(alone - mean).max()) > 1.0
         # the round actually moved the model
         assert any(np.abs(g - b).max() > 1e-4 for g, b in zip(aggs[r].weights, base))
     for got, agg_w in zip(engine.weights, aggs[rounds].weights):
@@ -239,10 +269,16 @@ def _reseal(blob: bytearray) -> bytes:
 
 
 def hostile_device(pki: DevPki, fed: str, sent: list[str]) -> Any:
-    """A device with a valid certificate that answers every task with malformed updates."""
+    """A device with a valid certificate that takes part in every round's masking (keys, shares) and then
+    answers with malformed updates: it drops out of every sum after its masks were agreed."""
 
     async def run(url: str) -> None:
-        async with MqttTransport.from_url(url, client_id="evil", tls=pki.tls_for("evil")) as t:
+        tls = pki.tls_for("evil")
+        signer, trust = Signer(str(tls.cert_file), str(tls.key_file)), Trust.from_file(tls.ca_file)
+        sessions: dict[int, DeviceSession] = {}
+        certs: dict[str, bytes] = {}  # the neighbours' certificates, sent once (as a FedClient keeps them)
+        shapes: list[tuple[int, ...]] = []
+        async with MqttTransport.from_url(url, client_id="evil", tls=tls) as t:
             await t.subscribe(T.status(fed))
             await t.subscribe(T.down(fed, "evil"))
             up = T.up(fed, "evil", T.UPDATE)
@@ -257,28 +293,40 @@ def hostile_device(pki: DevPki, fed: str, sent: list[str]) -> Any:
                     await t.publish(T.up(fed, "evil", T.HELLO), encode(hello))
                     await t.publish(T.up(fed, "evil", T.HELLO), b"\x00garbage hello")
                     hello_sent = True
-                if not isinstance(m, Task):
+                if isinstance(m, Task) and "secagg_session" in m.config:
+                    shapes = [tuple(w.shape) for w in m.weights]
+                    ctx = Context(fed, m.round_id, m.cluster_id, str(m.config["secagg_session"]))
+                    sessions[m.round_id] = DeviceSession(ctx, "evil", trust=trust, signer=signer)
+                    await t.publish(T.up(fed, "evil", T.KEYS), encode(sessions[m.round_id].keys))
+                elif isinstance(m, MaskRoster):
+                    certs.update((e[0], e[5]) for e in m.entries() if e[5])
+                    shares = sessions[m.round_id].on_roster(m, certs)
+                    await t.publish(T.up(fed, "evil", T.SHARES), encode(shares))
+                if not isinstance(m, MaskRelay):
                     continue
-                good = Update(
+                session = sessions[m.round_id].ctx.session
+                n = sum(int(np.prod(s)) for s in shapes)
+                good = MaskedUpdate(
+                    "evil", m.round_id, m.cluster_id, session, 500, 500, (np.zeros(n, np.int32),)
+                )
+                as_floats = Update(
                     client_id="evil",
                     round_id=m.round_id,
                     cluster_id=m.cluster_id,
                     num_samples=500,
-                    delta=tuple(np.full(w.shape, 0.125, np.float32) for w in m.weights),
+                    delta=tuple(np.full(s, 0.125, np.float32) for s in shapes),
                 )
                 raw = encode(good)
                 truncated = raw[: len(raw) // 2]
                 wrong_version = bytearray(raw)
                 wrong_version[4] = 99
-                nan = bytearray(raw)
+                nan = bytearray(encode(as_floats))
                 marker = np.float32(0.125).tobytes()
                 at = bytes(nan).index(marker)
                 nan[at : at + 4] = np.float32(np.nan).tobytes()
-                wrong_shape = encode(
-                    replace(good, delta=tuple(np.zeros((3, 3), np.float32) for _ in m.weights))
-                )
+                wrong_shape = encode(replace(good, values=(np.zeros(9, np.int32),)))
                 stale = encode(replace(good, round_id=m.round_id + 7))
-                oversized = encode(replace(good, delta=(np.zeros(600_000, np.float32),) * len(m.weights)))
+                oversized = encode(replace(good, values=(np.zeros(600_000, np.int32),)))
                 for payload in (truncated, bytes(wrong_version), _reseal(nan), wrong_shape, stale, oversized):
                     await t.publish(up, payload)
                 sent.append(f"round {m.round_id}")

@@ -39,12 +39,20 @@ import numpy as np
 import pytest
 
 from brokers import MosquittoProcess, free_port, require_mosquitto, start_mosquitto
-from engines import until
+from engines import observed_correction, until
 from fedsdk.crypto import generate_backend
 from fedsdk.hekeys import save_he
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.pipeline import contribution_from_message, he_aggregate_from_message
-from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, Report, Task, Update, decode
+from fedsdk.protocol import (
+    EncryptedAggregate,
+    EncryptedUpdate,
+    MaskedUpdate,
+    Report,
+    Task,
+    Update,
+    decode,
+)
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator.store import Store
 
@@ -137,8 +145,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, device_data: dict[str, P
 class Observer:
     """Records every message of the federation (topic, decoded) with its arrival time."""
 
-    def __init__(self, transport: MqttTransport) -> None:
+    def __init__(self, transport: MqttTransport, federation: str) -> None:
         self.transport = transport
+        self.federation = federation
         self.seen: list[tuple[float, str, Any]] = []
 
     async def pump(self) -> None:
@@ -362,7 +371,7 @@ async def federation(tmp: Path, files: dict[str, Path], **kw: Any) -> AsyncItera
         fl.dev3_url = await fl.proxy.start()
         async with MqttTransport.from_url(broker.url, client_id="observer", insecure=True) as t:
             await t.subscribe(f"fl/{fl.fed}/#")
-            fl.observer = Observer(t)
+            fl.observer = Observer(t, fl.fed)
             pump = asyncio.create_task(fl.observer.pump())
             try:
                 yield fl
@@ -381,7 +390,7 @@ async def hold_dev3_in_round_2(fl: Federation) -> None:
     obs = fl.observer
     assert obs is not None and fl.proxy is not None
     await asyncio.wait_for(fl.proxy.held.wait(), 90)
-    kinds = (Update, EncryptedUpdate)
+    kinds = (Update, EncryptedUpdate, MaskedUpdate)
     await until(
         lambda: obs.has(kinds, "dev1", 2) and obs.has(kinds, "dev2", 2),
         "round 2 updates of dev1 and dev2",
@@ -483,9 +492,11 @@ async def test_kill_9_under_he_with_clustering_resumes_with_the_stored_ciphertex
         assert aggs and sorted(ups) == list(DEVICES)
         for agg in {a.cluster_id: a for a in aggs}.values():
             members = [u for u in ups.values() if u.cluster_id == agg.cluster_id]
-            want = he.decrypt_aggregate(he.aggregate([contribution_from_message(u) for u in members]))
+            terms = observed_correction([m for _, _, m in obs.seen], obs.federation, 2, agg.cluster_id)
+            correction = he.mask_ring().expand_sum(terms, he.mask_count(agg.n_values))
+            summed = he.aggregate([contribution_from_message(u) for u in members], correction)
             got = he.decrypt_aggregate(he_aggregate_from_message(agg))
-            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(got, he.decrypt_aggregate(summed))
     with Store(fl.state / "coordinator.sqlite") as s:
         assert s.completed_round() == ROUNDS
         assert {r.state for r in s.rounds()} == {"done"}

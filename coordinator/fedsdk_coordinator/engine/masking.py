@@ -4,7 +4,8 @@ and the aggregate (SecAgg+, Bell et al. CCS 2020; the decisions are in :mod:`fed
 While the devices train:
 
 1. **keys**: wait until every participant that has not left or failed sent its masking keys, or
-   ``secagg_wait_s``; fix the members and send each its roster (``down/<id>``);
+   ``secagg_wait_s`` (at most a third of the deadline); fix the members and send each its roster
+   (``down/<id>``);
 2. **shares**: wait likewise for their sealed shares; fix the partners and relay each its partners'
    shares. From here the round waits only for the partners' updates.
 
@@ -198,7 +199,8 @@ async def open_session(e: RoundEngine, rnd: RoundState) -> None:
     """Stages 1 and 2 (module docstring), or their remainder after a restart."""
     m, c = rnd.masking, e.config
     assert m is not None
-    wait_s = min(c.secagg_wait_s, c.deadline_s)
+    # both stages within the round's deadline, which is how long a device waits for its relay
+    wait_s = min(c.secagg_wait_s, c.deadline_s / 3)
     if m.members is None:
         await _until(rnd, lambda: _active(rnd) <= set(m.keys) or rnd.masking_failed != "", wait_s)
         m.fix_members()

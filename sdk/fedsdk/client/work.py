@@ -305,7 +305,7 @@ class Work:
         vector = self._blind(task, blind, RING32, flat.size, metrics)
         t0 = time.perf_counter()
         codes, moved = encode_masked(flat, weight, PLAIN_FIXED, vector)
-        metrics.update(encode_s=time.perf_counter() - t0, clipped=float(moved))
+        metrics.update(mask_encode_s=time.perf_counter() - t0, clipped=float(moved))  # no HE: not encode_s
         update = MaskedUpdate(
             client_id=self.device.client_id,
             round_id=task.round_id,
