@@ -35,7 +35,7 @@ import numpy as np
 from fedsdk.crypto import Aggregate as HEAggregate
 from fedsdk.crypto import Contribution, HEBackend
 from fedsdk.errors import ConfigError, CryptoError, TrainingError
-from fedsdk.leakage import leak_packs
+from fedsdk.leakage import leak_packs, leak_values
 from fedsdk.masking import MaskConfig, floor_packs, pack_sensitivity, parse_floors, solve_mask
 from fedsdk.model import OnnxModel
 from fedsdk.protocol import EncryptedAggregate, EncryptedUpdate, join_parts
@@ -48,6 +48,7 @@ __all__ = [
     "choose_mask",
     "contribution_from_message",
     "decode_pack_mask",
+    "drop_leaky_rows",
     "encode_pack_mask",
     "flatten",
     "he_aggregate_from_message",
@@ -330,6 +331,24 @@ def choose_mask(
     return MaskChoice(
         mask, float(hidden.mean()), covered, {"sensitivity_s": t1 - t0, "mask_s": t2 - t1}, gave_way, extra
     )
+
+
+def drop_leaky_rows(
+    config: Mapping[str, Any],
+    shapes: Sequence[tuple[int, ...]],
+    update: np.ndarray,
+    samples: np.ndarray | None,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """The update without the first-layer rows that hold one of ``samples`` (``mask_leak_drop`` in the task,
+    at ``mask_leak_db``: :func:`fedsdk.leakage.leak_values`), and how many were dropped. Unchanged when the
+    task asks for no drop or there are no samples. Why a drop and not only encryption: ``fedsdk.leakage``."""
+    leak_db = float(config.get("mask_leak_db", 0.0))
+    if not config.get("mask_leak_drop") or leak_db <= 0 or samples is None:
+        return update, {}
+    t0 = time.perf_counter()
+    values, rows = leak_values(shapes, update, samples, threshold_db=leak_db, combined=True)
+    out = np.where(values, 0.0, update) if rows else update
+    return out, {"leak_dropped_rows": float(rows), "leak_drop_s": time.perf_counter() - t0}
 
 
 def leak_count(

@@ -95,6 +95,12 @@ def add_strategy_options(
         "PSNR or more (default: 20 for fedsdk, off for the paper strategies; 0 turns it off; "
         "docs/strategies.md)",
     )
+    _switch(
+        g,
+        "--mask-leak-drop",
+        "drop those rows from the update: they would be rows of the cluster's sum, which key holders read "
+        "(auto: fedsdk only; docs/audit.md)",
+    )
     g.add_argument(
         "--mask-noise",
         type=float,
@@ -152,6 +158,7 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mask_consensus": _tristate(args.mask_consensus),
         "mask_fill": _tristate(args.mask_fill),
         "mask_leak_db": args.mask_leak_db,
+        "mask_leak_drop": _tristate(args.mask_leak_drop),
         "mask_noise": args.mask_noise,
         "mask_clip": args.mask_clip,
         "mask_floor": args.mask_floor,

@@ -46,6 +46,7 @@ class RoundConfig:
     mask_consensus: bool | None = None  # None: the strategy's default (consensus.py)
     mask_fill: bool | None = None  # None: the strategy's default (encrypt all the budget allows)
     mask_leak_db: float | None = None  # None: the strategy's default (fedsdk.leakage; 0 turns it off)
+    mask_leak_drop: bool | None = None  # None: the strategy's default (drop the rows the check flags)
     mask_noise: float = 0.0  # Gaussian noise multiplier on the clear part (fedsdk.noise; 0: none)
     mask_clip: float = 1.0  # the L2 bound the clear part is clipped to when it is noised
     coop_decrypt: bool | None = None  # None: the strategy's default (coop.py; key mode shared only)

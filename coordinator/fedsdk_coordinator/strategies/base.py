@@ -106,6 +106,7 @@ class Strategy:
     coop_default: ClassVar[bool] = False  # split each aggregate's decryption (packed backend, shared keys)
     fill_default: ClassVar[bool] = False  # encrypt everything the budget allows (pipeline.fill_mask)
     leak_db_default: ClassVar[float] = 0.0  # devices encrypt first-layer rows matching a local sample
+    leak_drop_default: ClassVar[bool] = False  # ... and drop them from the update (fedsdk.leakage)
 
     def __init__(self, config: RoundConfig, he: HEBackend | None, shapes: Sequence[tuple[int, ...]]) -> None:
         self.config = config
@@ -118,6 +119,8 @@ class Strategy:
         self.fill = bool(fill) and solver
         leak = self.leak_db_default if config.mask_leak_db is None else config.mask_leak_db
         self.leak_db = float(leak) if solver else 0.0
+        drop = self.leak_drop_default if config.mask_leak_drop is None else config.mask_leak_drop
+        self.leak_drop = bool(drop) and self.leak_db > 0
         coop = self.coop_default if config.coop_decrypt is None else config.coop_decrypt
         if coop and config.coop_decrypt and self.backend != "packed":
             raise ConfigError(f"cooperative decryption needs the packed backend, not {self.name}")
@@ -159,7 +162,12 @@ class Strategy:
     # -- task ---------------------------------------------------------------------------------------
     def task_options(self, cluster_id: int, phase: str) -> dict[str, Any]:
         """The device settings this strategy decides, merged into every task's config (they win)."""
-        return {"mask": self.mask, "mask_fill": self.fill, "mask_leak_db": self.leak_db}
+        return {
+            "mask": self.mask,
+            "mask_fill": self.fill,
+            "mask_leak_db": self.leak_db,
+            "mask_leak_drop": self.leak_drop,
+        }
 
     # -- reply --------------------------------------------------------------------------------------
     def check_reply(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:

@@ -2,7 +2,8 @@
 budgets (the most each device can encrypt and upload within the round's target time, from its measured
 speeds, :func:`fedsdk_coordinator.budgets.deadline_budgets`); eq. 4-9's mask per pack, preferring the
 cluster's consensus packs, grown to everything the budget allows; first-layer rows that match a local
-sample encrypted first; each aggregate's decryption split among the cluster.
+sample dropped from the update (they would be rows of the cluster's sum, which key holders read:
+``fedsdk.leakage``); each aggregate's decryption split among the cluster.
 
 It alone encrypts everything its budget allows: eq. 4-9's mask (the fewest packs meeting the sensitivity
 and MI constraints) grown to α of the update, the whole update when α = 1
@@ -33,6 +34,7 @@ class FedSDK(HEStrategy):
     coop_default = True
     fill_default = True
     leak_db_default = 20.0
+    leak_drop_default = True  # rows that hold a sample would still be rows of the cluster's sum
 
     def budgets(self, plan: ClusterPlan) -> dict[str, float]:
         c, he = self.config, self.public

@@ -222,7 +222,11 @@ class Work:
         he = device.he
         if he is None:
             raise ConfigError("this federation encrypts updates: give the device its HE key (--he DIR)")
-        flat = pipeline.flatten(delta)
+        samples = self.local_xy(task)[0] if device.data is not None else None
+        flat, dropped = pipeline.drop_leaky_rows(
+            task.config, [tuple(w.shape) for w in base], pipeline.flatten(delta), samples
+        )
+        metrics.update(dropped)
         choice = pipeline.choose_mask(
             task.config,
             weights=result.weights,
@@ -230,7 +234,7 @@ class Work:
             update=flat,
             pack_size=he.pack_size,
             seed=int(task.config.get("seed", task.round_id)),
-            samples=self.local_xy(task)[0] if device.data is not None else None,
+            samples=samples,
         )
         if choice.leak_deferred:
             pending = device.pending.get(task.round_id)
