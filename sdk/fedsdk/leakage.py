@@ -145,7 +145,7 @@ def leak_values(
         rows = w.T if transposed else w
         hit = np.flatnonzero(row_match_db(rows, x, data_range) >= threshold_db)
         if combined and len(x) < FIRST_LAYER_MIN_SAMPLES:
-            hit = np.arange(rows.shape[0])
+            hit = np.arange(len(rows))
         elif combined and len(x) <= COMBINED_MAX_SAMPLES:
             rest = rows.copy()
             rest[hit] = 0.0
