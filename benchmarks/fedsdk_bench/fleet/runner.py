@@ -72,11 +72,13 @@ class Arm:
     coop: bool | None = None  # cooperative decryption (None: the strategy's default)
     fill: bool | None = None  # encrypt all the budget allows (None: the strategy's default)
     control_pool: bool = False  # arms without HE: run fedsdk's obfuscator pool unused (emulation.py)
+    secagg: bool = True  # secure aggregation (fedsdk.secagg); +nosecagg turns it off
 
 
 def parse_arm(spec: str) -> Arm:
-    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop][+nofill][+pool]``, e.g.
-    ``plaintext+cluster`` or ``fedsdk+keyserver``; ``+noconsensus`` runs ``fedsdk`` without its consensus
+    """``strategy[+cluster|-cluster][+keyserver][+noconsensus][+nocoop][+nofill][+pool][+nosecagg]``, e.g.
+    ``plaintext+cluster`` or ``fedsdk+keyserver``; ``+nosecagg`` runs without secure aggregation (the
+    measurement of what the masks cost); ``+noconsensus`` runs ``fedsdk`` without its consensus
     mask, ``+nocoop`` without cooperative decryption (every device decrypts the whole aggregate),
     ``+nofill`` with eq. 4-9's fewest packs only (not everything the budget allows); ``+pool`` gives the
     devices of an arm without HE the obfuscator pool of ``fedsdk``'s, unused: the emulation's control for
@@ -94,6 +96,7 @@ def parse_arm(spec: str) -> Arm:
     consensus: bool | None = None
     coop: bool | None = None
     fill: bool | None = None
+    secagg = True
     for m in mods:
         if m == "cluster":
             clustering = True
@@ -105,6 +108,8 @@ def parse_arm(spec: str) -> Arm:
             coop = False
         elif m == "nofill":
             fill = False
+        elif m == "nosecagg":
+            secagg = False
         elif m == "pool":
             if backend:
                 raise ConfigError(f"{spec!r}: +pool is a control for arms without HE (their pool is real)")
@@ -112,11 +117,11 @@ def parse_arm(spec: str) -> Arm:
         else:
             raise ConfigError(
                 f"unknown arm option {m!r} in {spec!r}: "
-                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop, +nofill, +pool"
+                "use +cluster, -cluster, +keyserver, +noconsensus, +nocoop, +nofill, +pool, +nosecagg"
             )
     return Arm(
         spec.strip(), name, clustering, key_mode, consensus=consensus, coop=coop, fill=fill,
-        control_pool=control_pool,
+        control_pool=control_pool, secagg=secagg,
     )  # fmt: skip
 
 
@@ -278,6 +283,7 @@ async def run_arm(
         mask_consensus=arm.consensus,
         coop_decrypt=arm.coop,
         mask_fill=arm.fill,
+        secagg=arm.secagg,
         **extra,
     )
     t0 = time.monotonic()
