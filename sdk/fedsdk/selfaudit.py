@@ -1,11 +1,13 @@
 """The device's self-audit (``fedsdk join --self-audit``): attack the update before sending it.
 
 A device with the self-audit on runs the analytic first-layer attack of ``fedsdk audit --sent``
-(:func:`fedsdk.audit.analytic.first_layer_recoveries`) on exactly what the coordinator would see
-of its update: the clear entries left by the mask, after the noise on the clear part, or the whole update
-under the ``plaintext`` strategy. Every local sample is scored by the best PSNR (dB) the attack gets on it;
-when any sample reaches ``threshold_db`` (25 dB by default) the update is withheld and the device answers the
-task with an ``Error`` of code ``self_audit`` instead (:class:`fedsdk.client.FedClient`).
+(:func:`fedsdk.audit.analytic.first_layer_recoveries`), and the attack on pairs and triples of its rows
+(:func:`fedsdk.leakage.subset_directions`: a few samples mixed over several rows), on exactly what the
+coordinator would see of its update: the clear entries left by the mask, after the noise on the clear
+part, or the whole update under the ``plaintext`` strategy. Every local sample is scored by the best PSNR
+(dB) the attack gets on it; when any sample reaches ``threshold_db`` (25 dB by default) the update is
+withheld and the device answers the task with an ``Error`` of code ``self_audit`` instead
+(:class:`fedsdk.client.FedClient`).
 
 Decisions:
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsdk.errors import ConfigError
+from fedsdk.leakage import sample_match_db, subset_directions
 
 __all__ = ["DEFAULT_THRESHOLD_DB", "SelfAuditResult", "check_threshold", "not_applicable", "self_audit"]
 
@@ -128,7 +131,10 @@ def self_audit(
     lo, hi = value_range if value_range is not None else (float(x.min()), float(x.max()))
     if not hi > lo:
         hi = lo + 1.0
-    scores = first_layer_recoveries(
-        flat, seen, [tuple(int(d) for d in s) for s in shapes], x, (float(lo), float(hi))
-    )
+    layer_shapes = [tuple(int(d) for d in s) for s in shapes]
+    scores = first_layer_recoveries(flat, seen, layer_shapes, x, (float(lo), float(hi)))
+    n_w = int(np.prod(layer_shapes[0]))
+    rows = np.where(seen[:n_w], flat[:n_w], 0.0).reshape(layer_shapes[0])
+    if np.abs(rows).max(initial=0.0) > 0:  # combinations of the visible rows
+        scores = np.maximum(scores, sample_match_db(subset_directions(rows)[0], x, float(hi - lo)))
     return SelfAuditResult(np.asarray(scores, dtype=np.float64), threshold, time.perf_counter() - t0)

@@ -27,36 +27,10 @@ import warnings
 
 import numpy as np
 
+from fedsdk.leakage import sample_match_db as affine_db
 from fedsdk.leakage import subset_directions
 
 __all__ = ["affine_db", "demix_candidates", "ica_candidates", "subset_candidates"]
-
-
-def affine_db(
-    candidates: np.ndarray, samples: np.ndarray, data_range: float, chunk: int = 4096
-) -> np.ndarray:
-    """Per sample, the best PSNR (dB) of any candidate's affine fit to it: ``var(x)·(1 − r²)`` with ``r`` the
-    correlation of candidate and sample (the least-squares ``a·c + b``), as in ``fedsdk.leakage``."""
-    x = np.asarray(samples, dtype=np.float64).reshape(len(samples), -1)
-    best = np.full(len(x), -np.inf)
-    c = np.asarray(candidates, dtype=np.float64).reshape(-1, x.shape[1])
-    xc = x - x.mean(axis=1, keepdims=True)
-    x_var = (xc * xc).mean(axis=1)
-    live = x_var > 1e-12 * data_range * data_range
-    xn = xc / np.maximum(np.sqrt(x_var * x.shape[1]), 1e-300)[:, None]
-    for lo in range(0, len(c), chunk):
-        cc = c[lo : lo + chunk]
-        cc = cc - cc.mean(axis=1, keepdims=True)
-        norm = np.linalg.norm(cc, axis=1)
-        cc = cc[norm > 1e-12 * max(float(norm.max(initial=0.0)), 1e-300)]
-        if not len(cc):
-            continue
-        r = xn @ (cc / np.linalg.norm(cc, axis=1, keepdims=True)).T
-        mse = x_var[:, None] * np.clip(1.0 - r * r, 0.0, None)
-        with np.errstate(divide="ignore"):
-            db = 10.0 * np.log10(data_range * data_range / mse)
-        best = np.maximum(best, db.max(axis=1))
-    return np.where(live, best, -np.inf)
 
 
 def ica_candidates(
