@@ -66,6 +66,7 @@ from fedsdk_coordinator.pki import make_dev_pki
 from fedsdk_coordinator.rounds import RoundEngine
 
 THRESHOLD_DB = 25.0
+VALUE_RANGE = (0.0, 1.0)  # the digits as fedsdk.model.data loads them
 SPEC = mlp()
 
 
@@ -247,7 +248,7 @@ def first_layer_attack(view: np.ndarray, samples: np.ndarray, public: np.ndarray
     """Single rows and combinations of rows of the first Linear layer of ``view`` (NaN: hidden)."""
     shapes = [tuple(s) for s in SPEC_SHAPES]
     x = samples.reshape(len(samples), -1).astype(np.float64)
-    lo, hi = 0.0, 16.0
+    lo, hi = VALUE_RANGE
     visible = np.isfinite(view)
     flat = np.where(visible, view, 0.0)
     best = np.full(len(x), -np.inf)
@@ -357,12 +358,17 @@ def attack_run(run: Run, scenario: str, args: argparse.Namespace) -> dict[str, A
                     ]
                     batches = trainer_batches(len(y), cfg.batch_size, cfg.epochs, cfg.seed * 100_003 + 1)
                     inv = InversionConfig(
-                        iterations=args.ig_iterations, restarts=args.ig_restarts, value_range=(0.0, 16.0)
+                        iterations=args.ig_iterations, restarts=args.ig_restarts, value_range=VALUE_RANGE
                     )
                     db = replayed_inversion_scores(
                         SPEC, base, seen, x, y, batches, lr=cfg.lr, momentum=cfg.momentum, config=inv
                     )
-                    ig.append(Scores(np.asarray(db), affine_db(public, x.reshape(len(x), -1), 16.0)))
+                    ig.append(
+                        Scores(
+                            np.asarray(db),
+                            affine_db(public, x.reshape(len(x), -1), VALUE_RANGE[1] - VALUE_RANGE[0]),
+                        )
+                    )
         out["individual_coordinator"] = merge(per)
         out["sums_coordinator"] = merge(
             [
