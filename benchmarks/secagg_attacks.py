@@ -8,8 +8,9 @@ Scenarios (``--scenarios``):
 * ``demo``: the label-skew demo (``fedsdk demo --partition label-skew --clients 8``: two label groups of four
   devices, about 180 digits each, strategy ``fedsdk``, key mode ``shared``), ``--rounds`` rounds. The
   attacker holds one device's HE folder (its secret key) and everything the coordinator received and
-  stored: it decrypts every individual update and every aggregate. Run with secure aggregation and without
-  (``--secagg off``: what a stolen device got before).
+  stored: it decrypts every individual update and every aggregate. Run with secure aggregation (``on``),
+  without it (``off``), and as fedsdk was before either (``before``: no secure aggregation and no first-layer
+  rows dropped, ``--mask-leak-drop off``).
 * ``keyserver``: the same federation in key mode ``keyserver``; the attacker is the coordinator reading
   every cluster average the key server publishes. Every average's device count is checked against
   ``min_aggregate``.
@@ -29,7 +30,7 @@ iLRG on the last layer of each device's view; the label recall of its restored c
 (counts in proportion to the public digits' classes).
 
     python benchmarks/secagg_attacks.py [--scenarios demo,keyserver,tiny] [--rounds 2] [--key-bits 2048]
-        [--secagg on,off] [--ig-iterations 1500] [--ig-restarts 2] [--json results/secagg_attacks.json]
+        [--secagg on,off,before] [--ig-iterations 1500] [--ig-restarts 2] [--json results/secagg_attacks.json]
 """
 
 from __future__ import annotations
@@ -418,7 +419,7 @@ def merge(scores: list[Scores]) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="demo,keyserver,tiny")
-    p.add_argument("--secagg", default="on,off")
+    p.add_argument("--secagg", default="on,off,before", help="arms: on, off, before (off, no rows dropped)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--key-bits", type=int, default=2048)
     p.add_argument("--ig-iterations", type=int, default=1500)
@@ -436,12 +437,14 @@ def main() -> None:
     for scenario in args.scenarios.split(","):
         for secagg in args.secagg.split(","):
             for audit in [False, True] if scenario == "tiny" else [False]:
-                if scenario != "demo" and secagg == "off" and audit:
+                if secagg != "on" and audit:
                     continue
                 name = f"{scenario} secagg={secagg}" + (" self-audit" if audit else "")
                 t0 = time.time()
                 data = tiny_data() if scenario == "tiny" else demo_data()
                 extra: dict[str, Any] = {"clustering": False, "budget_cap": 0.3} if scenario == "tiny" else {}
+                if secagg == "before":
+                    extra["mask_leak_drop"] = False
                 cfg = RoundConfig(
                     federation=f"atk{int(t0) % 10**6}",
                     strategy="fedsdk",

@@ -11,10 +11,13 @@ hyper-parameters: the worst case):
 
 * ``analytic``: :func:`fedsdk.audit.analytic.first_layer_recoveries` on the visible entries of
   the first Linear layer, every candidate they give (bias-anchored rows, and rows scaled to the value range
-  without their bias), the best candidate per sample. When that layer reads the samples (the MLP presets) it
-  recovers samples; after convolutions (the ``cnn`` preset) it recovers the layer's input, the feature map,
-  which is scored and reported apart (a feature map is not the sample: two max-pools discard most of an
-  8×8 digit; ``benchmarks/protection.py`` measures what inverting an exact one gives back);
+  without their bias), and combinations of the visible rows
+  (:func:`fedsdk_coordinator.audit.demix.demix_candidates`: FastICA and pairs and triples, what isolates
+  a few samples mixed over several rows), the best candidate per sample. When that layer reads the samples
+  (the MLP presets) it recovers samples; after convolutions (the ``cnn`` preset) it recovers the layer's
+  input, the feature map, which is scored and reported apart (a feature map is not the sample: two
+  max-pools discard most of an 8×8 digit; ``benchmarks/protection.py`` measures what inverting an exact
+  one gives back);
 * ``dlg``: Inverting Gradients on the multi-step update
   (:func:`fedsdk_coordinator.audit.inversion.invert_local_training`, PyTorch): the device's local training
   replayed on one dummy per local sample, ``ig_iterations`` (1,500) with ``ig_restarts`` (2) random starts,
@@ -44,6 +47,8 @@ import numpy as np
 from fedsdk.audit.analytic import first_layer_recoveries
 from fedsdk.audit.metrics import best_match_db
 from fedsdk.errors import ConfigError
+from fedsdk.leakage import sample_match_db
+from fedsdk_coordinator.audit.demix import demix_candidates
 from fedsdk_coordinator.audit.forward import first_linear, last_linear, layer_input
 from fedsdk_coordinator.audit.inversion import InversionConfig, invert_local_training, torch_available
 from fedsdk_coordinator.audit.labels import update_label_counts
@@ -52,6 +57,7 @@ from fedsdk_coordinator.models.layers import ModelSpec
 __all__ = [
     "SentAuditConfig",
     "SentAuditReport",
+    "combination_scores",
     "feature_map_scores",
     "label_recall",
     "null_scores",
@@ -264,6 +270,25 @@ def feature_map_scores(
     return scores, null_scores(feats, pub, top)
 
 
+def combination_scores(
+    update: np.ndarray,
+    hidden: np.ndarray,
+    first: tuple[int, ...],
+    x: np.ndarray,
+    data_range: float,
+    *,
+    seed: int = 0,
+) -> np.ndarray:
+    """Per sample, the best affine fit (dB) of any combination of the visible rows of the first Linear
+    weight (the update's first ``first`` values, hidden ones read as 0)."""
+    n = int(np.prod(first))
+    rows = np.where(hidden[:n], 0.0, np.asarray(update[:n], dtype=np.float64)).reshape(first[0], -1)
+    xs = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
+    if not np.abs(rows).max(initial=0.0) > 0 or rows.shape[1] != xs.shape[1]:
+        return np.full(len(xs), -np.inf)
+    return sample_match_db(demix_candidates(rows, seed=seed), xs, data_range)
+
+
 def label_recall(
     spec: ModelSpec,
     base: list[np.ndarray],
@@ -374,7 +399,10 @@ def run_sent_audit(
     if "analytic" in c.attacks:
         say("analytic first-layer attack on the visible entries")
         if site.sees_input:
-            report.attack_db = first_layer_recoveries(update, ~hidden, shapes, xs, (lo, hi))
+            report.attack_db = np.maximum(
+                first_layer_recoveries(update, ~hidden, shapes, xs, (lo, hi)),
+                combination_scores(update, hidden, shapes[0], xs, hi - lo, seed=c.seed),
+            )
         else:
             report.feature_db, report.feature_null_db = feature_map_scores(
                 spec, base, update, hidden, xin, np.asarray(public[: c.null_samples])

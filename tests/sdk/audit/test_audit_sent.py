@@ -20,6 +20,7 @@ import pytest
 from fedsdk.audit.analytic import first_layer_recoveries
 from fedsdk.model.data import load_digits, partition_label_skew
 from fedsdk_coordinator.audit import SentAuditConfig, null_scores, run_sent_audit, score_samples
+from fedsdk_coordinator.audit.sent import combination_scores
 
 
 def test_null_attacker_and_recovered_count_by_hand() -> None:
@@ -70,6 +71,25 @@ def test_a_planted_leak_is_found(device0: tuple[np.ndarray, np.ndarray, np.ndarr
     assert scores[5] > 60 and int((scores >= 25).sum()) >= 1
     visible[:] = False  # the same update fully hidden: nothing
     assert (first_layer_recoveries(update, visible, shapes, x, (0.0, 1.0)) < 25).all()
+
+
+def test_two_samples_mixed_over_rows_are_found_by_combinations_not_single_rows(
+    device0: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    x, _, _ = device0
+    x = x.astype(np.float64)
+    shapes = [(64, 64), (64,), (10, 64), (10,)]
+    rng = np.random.default_rng(1)
+    update = rng.normal(0, 1e-4, sum(int(np.prod(s)) for s in shapes))
+    # six units each read a mix of samples 0 and 1, as gradient rows do: coefficients of either sign
+    coef = np.column_stack([rng.uniform(0.6, 1.0, 6), rng.uniform(0.4, 0.7, 6) * rng.choice([-1, 1], 6)])
+    update[: 6 * 64] = (0.02 * (coef @ x[:2] + rng.normal(0, 0.05, (6, 64)))).ravel()
+    hidden = np.zeros(update.size, bool)
+    single = first_layer_recoveries(update, ~hidden, shapes, x, (0.0, 1.0))
+    mixed = combination_scores(update, hidden, shapes[0], x, 1.0)
+    assert single[0] < 20 and mixed[0] > 25
+    hidden[:4096] = True
+    assert np.isneginf(combination_scores(update, hidden, shapes[0], x, 1.0)).all()
 
 
 def test_the_command_exits_1_with_check_when_a_sample_is_recovered() -> None:
