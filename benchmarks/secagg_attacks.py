@@ -257,7 +257,8 @@ def first_layer_attack(view: np.ndarray, samples: np.ndarray, public: np.ndarray
         best = np.maximum(best, first_layer_recoveries(flat, visible, shapes, x, (lo, hi)))
         rows = flat[: shapes[0][0] * shapes[0][1]].reshape(shapes[0])
         if np.abs(rows).max() > 0:
-            best = np.maximum(best, affine_db(demix_candidates(rows, seed=seed), x, hi - lo))
+            cand = demix_candidates(rows, seed=seed, visible=visible[: rows.size])
+            best = np.maximum(best, affine_db(cand, x, hi - lo))
     return Scores(best, affine_db(public, x, hi - lo))
 
 

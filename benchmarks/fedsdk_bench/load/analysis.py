@@ -146,6 +146,7 @@ def format_table(report: Mapping[str, Any]) -> str:
     lines = [
         f"fedsdk load test: {c['devices']} devices in {-(-c['devices'] // c['per_process'])} processes "
         f"({c['per_process']} per process), strategy {c['strategy']}, "
+        f"secure aggregation {'on' if c.get('secagg', True) else 'off'}, "
         f"{'mutual TLS' if c['tls'] else 'plain TCP on loopback (insecure)'}, model {c['model']}",
         f"  local work: {c['samples']} samples x {c['epochs']} epoch(s), batch {c['batch_size']}; "
         f"probe {c['probe_bytes']} B; mosquitto max_queued_messages {c['max_queued']}",

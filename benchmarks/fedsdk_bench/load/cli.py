@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d["model"], help="mlp, mlpN or cnn")
     p.add_argument("--strategy", default=d["strategy"], choices=STRATEGIES)
     p.add_argument("--clustering", action="store_true", help="sketch round and clustering first")
+    p.add_argument(
+        "--secagg", choices=("on", "off"), default="on", help="secure aggregation (default on, as deployed)"
+    )
     p.add_argument("--key-bits", type=int, default=d["key_bits"], help="Paillier modulus (--strategy fedsdk)")
     p.add_argument("--pool", type=int, default=d["pool"], help="obfuscator pool per device (HE; 0: none)")
     p.add_argument("--tls", action="store_true", help="mutual TLS, a development certificate per device")
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             strategy=args.strategy,
             clustering=args.clustering,
+            secagg=args.secagg == "on",
             key_bits=args.key_bits,
             pool=args.pool,
             tls=args.tls,

@@ -39,6 +39,7 @@ class CoordinatorSpec:
     model: str
     strategy: str
     clustering: bool
+    secagg: bool
     epochs: int
     batch_size: int
     lr: float
@@ -120,6 +121,7 @@ async def _coordinate(spec: CoordinatorSpec, ready: Any, out: dict[str, Any]) ->
         seed=spec.seed,
         strategy=spec.strategy,
         clustering=spec.clustering,
+        secagg=spec.secagg,
         key_mode="shared",
     )
     config = CoordinatorConfig(

@@ -67,6 +67,7 @@ class LoadConfig:
     model: str = "mlp"
     strategy: str = "plaintext"
     clustering: bool = False
+    secagg: bool = True  # secure aggregation, as the coordinator's default
     key_bits: int = 2048
     pool: int = 0
     tls: bool = False
@@ -227,6 +228,7 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
             model=config.model,
             strategy=config.strategy,
             clustering=config.clustering,
+            secagg=config.secagg,
             epochs=config.epochs,
             batch_size=config.batch_size,
             lr=config.lr,

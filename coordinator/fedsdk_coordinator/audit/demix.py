@@ -67,7 +67,15 @@ def subset_candidates(rows: np.ndarray) -> np.ndarray:
     return subset_directions(rows)[0]
 
 
-def demix_candidates(rows: np.ndarray, *, seed: int = 0) -> np.ndarray:
-    """Every candidate of both combination attacks, the single rows included."""
+def demix_candidates(rows: np.ndarray, *, seed: int = 0, visible: np.ndarray | None = None) -> np.ndarray:
+    """Every candidate of both combination attacks, the single rows included. With ``visible`` (one bool
+    per entry of ``rows``, hidden entries read as 0) the attacks run again on the wholly visible rows
+    alone: a partly hidden row mixed in with zeros where its pixels were hidden blurs what the others
+    isolate."""
     r = np.asarray(rows, dtype=np.float64)
-    return np.concatenate([r, ica_candidates(r, seed=seed), subset_candidates(r)])
+    out = [r, ica_candidates(r, seed=seed), subset_candidates(r)]
+    if visible is not None:
+        whole = r[np.asarray(visible, dtype=bool).reshape(r.shape).all(axis=1)]
+        if 0 < len(whole) < len(r):
+            out += [ica_candidates(whole, seed=seed), subset_candidates(whole)]
+    return np.concatenate(out)

@@ -286,7 +286,8 @@ def combination_scores(
     xs = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
     if not np.abs(rows).max(initial=0.0) > 0 or rows.shape[1] != xs.shape[1]:
         return np.full(len(xs), -np.inf)
-    return sample_match_db(demix_candidates(rows, seed=seed), xs, data_range)
+    cand = demix_candidates(rows, seed=seed, visible=~hidden[:n])
+    return sample_match_db(cand, xs, data_range)
 
 
 def label_recall(
