@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk.client import FedClient
+from fedsdk.client.masking import expand_vector
 from fedsdk.crypto import HEBackend
 from fedsdk.crypto.obfuscator import Obfuscator, ObfuscatorFactory
 from fedsdk.errors import ConfigError
@@ -205,6 +206,11 @@ class EmulatedClient(FedClient):
         self._fit_timing = (0.0, 0.0)
         self._boundary = (0, 0)
         self._decrypt_s: dict[int, float] = {}  # emulated decryption time per applied round
+        self._masking.vector = self._mask_vector  # the secure-aggregation mask, expanded at device speed
+
+    def _mask_vector(self, session: Any, ring: Any, count: int) -> Any:
+        with self.dilation.step("mask_vector"):
+            return expand_vector(session, ring, count)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> EmulatedClient:

@@ -1,7 +1,8 @@
 """The device's secure-aggregation sessions (``fedsdk.secagg``), on the event loop: a masked task starts a
 session and sends its keys; the roster, the relay and the unmask request are taken as they arrive, while
-the device trains; the training step, in the executor, waits for the relay and then expands its mask
-(:meth:`Masking.blind_for`).
+the device trains. Once the relay is in and the task's mask shape is known (:meth:`Masking.expect`), the
+mask vector is expanded in the executor while training goes on, so that the training step, which takes it
+after training (:meth:`Masking.blind_for`), seldom waits for it.
 
 A task carries ``secagg_session`` when its round is masked. The same task again (a coordinator that asks
 again after a restart or a lost message) re-sends what the session sent so far, unchanged. A task of the
@@ -18,21 +19,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fedsdk.client.link import Link, Publish
 from fedsdk.client.state import DeviceState
+from fedsdk.crypto import HEBackend
 from fedsdk.errors import ConfigError, MaskingRefused, ValidationError
 from fedsdk.protocol import MaskRelay, MaskRoster, Task, UnmaskRequest
 from fedsdk.protocol import topics as T
 from fedsdk.secagg.identity import Signer, Trust
 from fedsdk.secagg.keys import Context
+from fedsdk.secagg.plain import RING32
 from fedsdk.secagg.ring import MaskRing
 from fedsdk.secagg.session import DeviceSession
 from fedsdk.transport import TlsConfig
 
-__all__ = ["SUPERSEDED", "Masking", "session_of"]
+__all__ = ["SUPERSEDED", "Masking", "expand_vector", "mask_shape", "session_of"]
 
 log = logging.getLogger(__name__)
 KEEP_ROUNDS = 3  # sessions kept behind the newest (their unmask requests come after the update)
@@ -45,12 +49,32 @@ def session_of(task: Task) -> str | None:
     return sid if isinstance(sid, str) and sid else None
 
 
+VectorFn = Callable[[DeviceSession, MaskRing, int], Any]
+
+
+def expand_vector(session: DeviceSession, ring: MaskRing, count: int) -> Any:
+    """``session``'s mask vector of ``count`` elements in ``ring`` (its relay taken)."""
+    return ring.expand_sum(session.mask_terms(), count)
+
+
+def mask_shape(task: Task, size: int, he: HEBackend | None) -> tuple[MaskRing, int] | None:
+    """The ring and length of the mask vector ``task`` will take for an update of ``size`` values (None
+    for an unmasked round, or an HE round without the device's backend)."""
+    if session_of(task) is None:
+        return None
+    if str(task.config.get("mask", "none")) == "none":
+        return RING32, size
+    return None if he is None else (he.mask_ring(), he.mask_count(size))
+
+
 @dataclass
 class _Live:
     session: DeviceSession
     ready: asyncio.Future[None]
     sent_shares: bool = False
     failures: list[str] = field(default_factory=list)
+    shape: tuple[MaskRing, int] | None = None  # the mask vector the task will take
+    vector: asyncio.Future[Any] | None = None  # ... expanded ahead, once the relay is in
 
     def fail(self, exc: ValidationError) -> None:
         if not self.ready.done():
@@ -61,7 +85,13 @@ class Masking:
     """One device's masking sessions by (round, cluster)."""
 
     def __init__(
-        self, device: DeviceState, link: Link, *, signer: Signer | None, trust: Trust, min_aggregate: int
+        self,
+        device: DeviceState,
+        link: Link,
+        *,
+        signer: Signer | None,
+        trust: Trust,
+        min_aggregate: int,
     ) -> None:
         if isinstance(min_aggregate, bool) or not isinstance(min_aggregate, int) or min_aggregate < 2:
             raise ConfigError(f"min_aggregate must be an integer >= 2, got {min_aggregate!r}")
@@ -75,10 +105,15 @@ class Masking:
         self._live: dict[tuple[int, int], _Live] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsigned_said = False
+        self.vector: VectorFn = expand_vector  # how a mask vector is expanded (the fleet emulation times it)
 
     @classmethod
     def with_identity(
-        cls, device: DeviceState, link: Link, tls: TlsConfig | None, min_aggregate: int
+        cls,
+        device: DeviceState,
+        link: Link,
+        tls: TlsConfig | None,
+        min_aggregate: int,
     ) -> Masking:
         """A device's sessions: signed with its client certificate, neighbours checked against its CA, when
         it has a fleet identity (mutual TLS); unsigned otherwise."""
@@ -142,6 +177,26 @@ class Masking:
         if session.keys.certificate:
             self._cert_sent = self.link.hellos
 
+    def expect(self, task: Task, ring: MaskRing, count: int) -> None:
+        """``task`` will take a mask vector of ``count`` elements in ``ring``: expand it as soon as the
+        relay is in, while the device trains."""
+        live = self._live.get(self._key(task))
+        if live is None or live.session.ctx.session != session_of(task) or live.shape is not None:
+            return
+        live.shape = (ring, count)
+        self._expand_ahead(live)
+
+    def _expand_ahead(self, live: _Live) -> None:
+        ready = live.ready
+        if live.shape is None or live.vector is not None or not ready.done() or ready.cancelled():
+            return
+        if ready.exception() is not None:
+            return
+        assert self._loop is not None
+        ring, count = live.shape
+        live.vector = self._loop.run_in_executor(None, self.vector, live.session, ring, count)
+        live.vector.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if unused
+
     def _forget(self, key: tuple[int, int]) -> None:
         live = self._live.pop(key)
         if not live.ready.done():
@@ -199,6 +254,7 @@ class Masking:
             raise
         if not live.ready.done():
             live.ready.set_result(None)
+        self._expand_ahead(live)
 
     async def on_unmask(self, req: UnmaskRequest, publish: Publish) -> None:
         live = self._find(req)
@@ -235,11 +291,14 @@ class Masking:
         if live is None or live.session.ctx.session != session_of(task) or self._loop is None:
             raise MaskingRefused("secagg_state", "no masking session for this task", round_id=task.round_id)
 
-        async def ready() -> None:
+        async def ready() -> Any:
             await asyncio.shield(live.ready)
+            if live.vector is not None and live.shape == (ring, count):
+                return await asyncio.shield(live.vector)
+            return None
 
         try:
-            asyncio.run_coroutine_threadsafe(ready(), self._loop).result(timeout=task.deadline_s)
+            ahead = asyncio.run_coroutine_threadsafe(ready(), self._loop).result(timeout=task.deadline_s)
         except concurrent.futures.CancelledError:
             raise MaskingRefused(
                 "secagg_state", "the masking session ended", round_id=task.round_id
@@ -251,4 +310,4 @@ class Masking:
                 "went on without this device",
                 round_id=task.round_id,
             ) from None
-        return ring.expand_sum(live.session.mask_terms(), count)
+        return ahead if ahead is not None else self.vector(live.session, ring, count)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedsdk.client.link import Link
-from fedsdk.client.masking import SUPERSEDED, Masking, session_of
+from fedsdk.client.masking import SUPERSEDED, Masking, mask_shape, session_of
 from fedsdk.client.state import DeviceState, Pending, RoundRecord
 from fedsdk.client.work import Base, Work
 from fedsdk.conditions import RunConditions, Verdict
@@ -222,6 +222,9 @@ class Tasks:
             if phase == "train" and self._masking is not None:
                 await self._masking.begin(task, link.publish)  # keys out before training (client/masking.py)
             base = self._work.base(task, phase)
+            shape = mask_shape(task, sum(int(b.size) for b in base), device.he) if phase == "train" else None
+            if shape is not None and self._masking is not None:
+                self._masking.expect(task, *shape)  # expanded while training, once the relay is in
             if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
                 self._work.size_pool(sum(int(b.size) for b in base))
             if phase == "sketch":
