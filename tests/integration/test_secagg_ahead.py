@@ -5,6 +5,7 @@ the training step takes the vector made ahead instead of expanding again."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import secrets
 import time
 from pathlib import Path
@@ -63,3 +64,26 @@ async def test_the_mask_is_expanded_while_the_device_trains(
     assert sorted((cid, r) for cid, r, _ in calls) == sorted(fit_end)  # once per device and round
     for cid, r, started in calls:
         assert started < fit_end[cid, r], f"{cid} round {r}: the mask was expanded after training"
+
+
+async def test_more_devices_in_one_process_than_executor_threads_finish_their_masked_rounds(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    """A masked training step waits for its partners' shares in a thread; eight devices of one process
+    over a shared executor of two threads must not starve the mask's expansion (nor an in-process
+    coordinator's work) by those waits."""
+    loop = asyncio.get_running_loop()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    loop.set_default_executor(pool)
+    rounds = RoundConfig(federation=f"many{secrets.token_hex(3)}", rounds=2, min_clients=8, start_clients=8,
+                         deadline_s=20.0, seed=1, farewell_s=2.0, clustering=False)  # fmt: skip
+    async with coordinator(tmp_path, broker, rounds) as engine:
+        clients = [device(broker, engine, f"d{i}", d) for i, d in enumerate(digit_shards(8))]
+
+        async def run(c: Any) -> Any:
+            async with c:
+                return await c.run(timeout=120)
+
+        summaries = await asyncio.gather(*(run(c) for c in clients))
+    assert [s.state for s in summaries] == ["finished"] * 8, [s.reason for s in summaries]
+    assert all(len(s.rounds) == 2 for s in summaries), [len(s.rounds) for s in summaries]

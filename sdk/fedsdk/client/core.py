@@ -125,10 +125,8 @@ class FedClient:
             client_id, federation, data, eval_data, trainer, he, summary=ClientSummary(client_id)
         )
         if personal_epochs and (eval_data is None or data is None):
-            log.info(
-                "%s: personalisation needs held-out data (eval_data) and local samples (data); it stays off",
-                client_id,
-            )
+            log.info("%s: personalisation needs held-out data (eval_data) and local samples (data); it stays "
+                     "off", client_id)  # fmt: skip
         elif personal_epochs:
             self._device.personal_epochs = personal_epochs
         self._work = Work(
@@ -249,6 +247,7 @@ class FedClient:
         if self._state == "open":
             await self._link.goodbye()
         self._state = "closed"
+        self._tasks.close()
         if self._device.he is not None:
             self._device.he.close()
         await self._link.close()

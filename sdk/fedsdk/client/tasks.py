@@ -1,5 +1,11 @@
 """A task, on the device's event loop: replay protection, run conditions, the masking session's start,
-the steps (``work.py``) in the executor, and the reply.
+the steps (``work.py``) in the device's own training thread, and the reply.
+
+A device's sketch and training steps run in a thread of its own, not in the loop's shared executor: the
+training step of a masked round waits in that thread for the partners' shares (``client/masking.py``), and
+a shared executor whose threads all wait so would starve what the shares need (another device's keys, the
+mask's expansion, an in-process coordinator's clustering): devices run many to a process in tests, the
+load harness and the fleet emulation.
 
 Run conditions (``conditions=RunConditions(...)``, ``fedsdk join --only-charging`` ...;
 :mod:`fedsdk.conditions`): checked when a task arrives, off the event loop. When one does not hold the device
@@ -20,6 +26,7 @@ masking session, when the first session revealed nothing (``client/masking.py``)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -52,7 +59,7 @@ progress = logging.getLogger("fedsdk.progress")  # a declined round's line; the 
 
 
 class TaskSteps(NamedTuple):
-    """The steps of a task that run in the executor, as FedClient hands them to :meth:`Tasks.on_task`."""
+    """The steps of a task that run off the loop, as FedClient hands them to :meth:`Tasks.on_task`."""
 
     sketch: Callable[[Task, Base], Sketch]
     train: Callable[[Task, Base], tuple[BaseMessage, dict[str, Any]]]  # train and protect: (reply, record)
@@ -100,6 +107,7 @@ class Tasks:
         self._unknown_warned: tuple[str, ...] = ()
         self._since_decline = asyncio.Event()  # set by a decline, cleared once the conditions hold again
         self._lock = asyncio.Lock()  # tasks run one at a time, off the message loop
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, f"fedsdk-{device.client_id}")  # train, sketch
         self.runs: set[asyncio.Task[None]] = set()
         self._last_task_round: int | None = None
         self._answer: _Answer | None = None
@@ -126,6 +134,10 @@ class Tasks:
         t = asyncio.create_task(run(), name=f"fedclient-task-{self.device.client_id}-{task.round_id}")
         self.runs.add(t)
         t.add_done_callback(self.runs.discard)
+
+    def close(self) -> None:
+        """Stop the device's training thread (a step still running ends on its own; nothing new starts)."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def _declined(self, task: Task, phase: str) -> bool:
         """Check the run conditions (module docstring); when one does not hold, decline ``task``: True."""
@@ -228,14 +240,14 @@ class Tasks:
             if str(task.config.get("mask", "none")) != "none":  # from the first task, the sketch's too
                 self._work.size_pool(sum(int(b.size) for b in base))
             if phase == "sketch":
-                msg: BaseMessage = await loop.run_in_executor(None, steps.sketch, task, base)
+                msg: BaseMessage = await loop.run_in_executor(self._thread, steps.sketch, task, base)
                 await self._reply(task, phase, T.SKETCH, msg)
                 log.info("round %d: sensitivity sketch sent", task.round_id)
                 return
             pending = Pending(task, base)
             device.pending[task.round_id] = pending
             with self._work.quiet_pool(base):
-                msg, record = await loop.run_in_executor(None, steps.train, task, base)
+                msg, record = await loop.run_in_executor(self._thread, steps.train, task, base)
         except (UpdateWithheld, MaskingRefused) as exc:
             if isinstance(exc, MaskingRefused) and exc.code == SUPERSEDED:  # the round runs again: no answer
                 log.info("round %d: %s", task.round_id, exc)
