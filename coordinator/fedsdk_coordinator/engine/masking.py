@@ -161,6 +161,7 @@ def _fail(rnd: RoundState, why: str) -> None:
 def _rosters(e: RoundEngine, rnd: RoundState, who: list[str] | None = None) -> None:
     m = rnd.masking
     assert m is not None and m.members is not None
+    batch = []
     for cid in who if who is not None else m.members:
         if cid not in m.members:
             continue
@@ -171,15 +172,15 @@ def _rosters(e: RoundEngine, rnd: RoundState, who: list[str] | None = None) -> N
             if cert and sent.get(member) != cert:
                 certs[member] = cert
                 sent[member] = cert
-        e.outbox.post(T.down(e.config.federation, cid), encode(m.roster(cid, certs)))
+        batch.append((T.down(e.config.federation, cid), encode(m.roster(cid, certs))))
+    e.outbox.post_all(batch)
 
 
 def _relays(e: RoundEngine, rnd: RoundState, who: list[str] | None = None) -> None:
     m = rnd.masking
     assert m is not None and m.partners_set is not None
-    for cid in who if who is not None else m.partners_set:
-        if cid in m.partners_set:
-            e.outbox.post(T.down(e.config.federation, cid), encode(m.relay(cid)))
+    who = list(m.partners_set) if who is None else [cid for cid in who if cid in m.partners_set]
+    e.outbox.post_all((T.down(e.config.federation, cid), encode(m.relay(cid))) for cid in who)
 
 
 def republish(e: RoundEngine, rnd: RoundState, client_id: str) -> None:
