@@ -1,4 +1,4 @@
-"""A device expands its secure-aggregation mask while it trains, once its partners' shares are in, so that
+"""A device expands its secure-aggregation mask while it trains, once its neighbours' keys are in, so that
 the update leaves right after training: the expansion starts before training ends, on another thread, and
 the training step takes the vector made ahead instead of expanding again."""
 
@@ -49,9 +49,9 @@ async def test_the_mask_is_expanded_while_the_device_trains(
 
             c._fit = timed_fit  # type: ignore[method-assign]
 
-            def recording(session: Any, ring: Any, count: int, cid: str = c.client_id) -> Any:
+            def recording(session: Any, ring: Any, count: int, *args: Any, cid: str = c.client_id) -> Any:
                 calls.append((cid, session.ctx.round_id, time.monotonic()))
-                return expand_vector(session, ring, count)
+                return expand_vector(session, ring, count, *args)
 
             c._masking.vector = recording
 

@@ -34,7 +34,7 @@ from fedsdk.hekeys import load_he
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.pipeline import flatten, he_aggregate_from_message
-from fedsdk.protocol import EncryptedAggregate, MaskShares, decode
+from fedsdk.protocol import EncryptedAggregate, MaskKeys, MaskShares, decode
 from fedsdk.secagg.plain import PLAIN_FIXED, RING32, decode_sum, encode_masked
 from fedsdk_coordinator import CoordinatorConfig, RoundConfig, create_app
 from fedsdk_coordinator.app import ENGINE
@@ -75,16 +75,19 @@ async def spawn(url: str, fed: str, cid: str, data: Path, *extra: str) -> asynci
 
 
 @contextlib.contextmanager
-def killing(procs: dict[str, asyncio.subprocess.Process], doom: dict[int, set[str]]) -> Any:
+def killing(
+    procs: dict[str, asyncio.subprocess.Process], doom: dict[int, set[str]], on: type = MaskShares
+) -> Any:
     """SIGKILL a device of ``doom[round]`` the moment the coordinator holds its shares of that round (its
-    masks are agreed; its update never comes), and record each round's sum as the coordinator names it."""
+    masks are agreed; its update never comes), or its keys (``on=MaskKeys``: it is in its neighbours'
+    rosters, its shares never come), and record each round's sum as the coordinator names it."""
     take = inbound.on_masking
     named: dict[int, tuple[str, ...]] = {}
     killed: dict[int, set[str]] = {}
 
     def on_masking(e: Any, client_id: str, msg: Any, payload: bytes) -> None:
         take(e, client_id, msg, payload)
-        if isinstance(msg, MaskShares) and client_id in doom.get(msg.round_id, set()):
+        if isinstance(msg, on) and client_id in doom.get(msg.round_id, set()):
             os.kill(procs[client_id].pid, signal.SIGKILL)
             killed.setdefault(msg.round_id, set()).add(client_id)
 
@@ -132,6 +135,54 @@ async def finish(engine: Any, procs: dict[str, asyncio.subprocess.Process], dead
             assert p.returncode == 0, f"{cid}: {out.decode(errors='replace')[-2000:]}"
 
 
+Shards = dict[str, tuple[Path, np.ndarray, np.ndarray]]
+
+
+def survivors_model(
+    engine: Any, data: Shards, alive: set[str], base: list[np.ndarray], round_id: int
+) -> list[np.ndarray]:
+    """The model the updates of ``alive`` alone make from ``base`` in ``round_id`` (plaintext, exact)."""
+    total = np.zeros(engine.n_values, dtype=np.uint32)
+    weights = []
+    for cid in sorted(alive):
+        _, x, y = data[cid]
+        w = PLAIN_FIXED.quantise_weight(len(y), 1)
+        codes, _ = encode_masked(local_update(engine, base, x, y, round_id), w, PLAIN_FIXED,
+                                 RING32.zeros(engine.n_values))  # fmt: skip
+        total += codes
+        weights.append(w)
+    return unflat(decode_sum(total, sum(weights), PLAIN_FIXED), base)
+
+
+async def test_devices_dying_between_their_keys_and_their_shares_are_taken_out_of_the_masks(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    """The others expand their masks with every neighbour of the roster before the relay names their
+    partners: the masks with a device whose shares never came are taken out again, exactly."""
+    data = shards(tmp_path, 6)
+    ids = sorted(data)
+    doom = {1: {ids[1], ids[4]}}
+    fed = f"keys{secrets.token_hex(3)}"
+    rounds = RoundConfig(federation=fed, strategy="plaintext", rounds=1, min_clients=4, start_clients=6,
+                         deadline_s=6.0, seed=3, farewell_s=2.0, report_timeout_s=2.0)  # fmt: skip
+    config = CoordinatorConfig(rounds=rounds, state_dir=tmp_path / "s", model="mlp", broker_url=broker.url,
+                               insecure=True)  # fmt: skip
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    with killing(procs, doom, on=MaskKeys) as (named, killed):
+        async with running(config) as engine:
+            base = [w.copy() for w in engine.initial]
+            for cid in ids:
+                procs[cid] = await spawn(broker.url, fed, cid, data[cid][0])
+            await finish(engine, procs, doom[1])
+            assert [x.state for x in engine.store.rounds()] == ["done"]
+            got = [w.copy() for w in engine.weights]
+    assert killed == doom
+    alive = set(ids) - doom[1]
+    assert set(named[1]) == alive
+    for g, exp in zip(got, survivors_model(engine, data, alive, base, 1), strict=True):
+        np.testing.assert_array_equal(g, exp)
+
+
 async def test_plaintext_rounds_survive_a_third_of_the_devices_dying_after_sharing(
     tmp_path: Path, broker: MosquittoProcess
 ) -> None:
@@ -160,16 +211,7 @@ async def test_plaintext_rounds_survive_a_third_of_the_devices_dying_after_shari
     for r in (1, 2, 3):
         alive -= doom[r]
         assert set(named[r]) == alive, f"round {r}: the sum holds {named[r]}"
-        total = np.zeros(engine.n_values, dtype=np.uint32)
-        weights = []
-        for cid in sorted(alive):
-            _, x, y = data[cid]
-            w = PLAIN_FIXED.quantise_weight(len(y), 1)
-            codes, _ = encode_masked(local_update(engine, models[r - 1], x, y, r), w, PLAIN_FIXED,
-                                     RING32.zeros(engine.n_values))  # fmt: skip
-            total += codes
-            weights.append(w)
-        want = unflat(decode_sum(total, sum(weights), PLAIN_FIXED), models[r - 1])
+        want = survivors_model(engine, data, alive, models[r - 1], r)
         for got, exp in zip(models[r], want, strict=True):
             np.testing.assert_array_equal(got, exp, err_msg=f"round {r}")
 

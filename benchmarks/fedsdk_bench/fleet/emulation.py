@@ -208,9 +208,9 @@ class EmulatedClient(FedClient):
         self._decrypt_s: dict[int, float] = {}  # emulated decryption time per applied round
         self._masking.vector = self._mask_vector  # the secure-aggregation mask, expanded at device speed
 
-    def _mask_vector(self, session: Any, ring: Any, count: int) -> Any:
+    def _mask_vector(self, session: Any, ring: Any, count: int, *args: Any) -> Any:
         with self.dilation.step("mask_vector"):
-            return expand_vector(session, ring, count)
+            return expand_vector(session, ring, count, *args)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> EmulatedClient:

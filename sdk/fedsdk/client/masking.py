@@ -1,8 +1,10 @@
 """The device's secure-aggregation sessions (``fedsdk.secagg``), on the event loop: a masked task starts a
 session and sends its keys; the roster, the relay and the unmask request are taken as they arrive, while
-the device trains. Once the relay is in and the task's mask shape is known (:meth:`Masking.expect`), the
-mask vector is expanded in the executor while training goes on, so that the training step, which takes it
-after training (:meth:`Masking.blind_for`), seldom waits for it.
+the device trains. Once the roster is in and the task's mask shape is known (:meth:`Masking.expect`), the
+mask vector is expanded in the executor while training goes on, with every neighbour of the roster; the
+relay then names the partners (the neighbours whose shares came back), nearly always all of them, and the
+masks of any that are not are taken out again. The training step takes the vector after training
+(:meth:`Masking.blind_for`) and seldom waits for it.
 
 A task carries ``secagg_session`` when its round is masked. The same task again (a coordinator that asks
 again after a restart or a lost message) re-sends what the session sent so far, unchanged. A task of the
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +51,18 @@ def session_of(task: Task) -> str | None:
     return sid if isinstance(sid, str) and sid else None
 
 
-VectorFn = Callable[[DeviceSession, MaskRing, int], Any]
+VectorFn = Callable[..., Any]  # as expand_vector
 
 
-def expand_vector(session: DeviceSession, ring: MaskRing, count: int) -> Any:
-    """``session``'s mask vector of ``count`` elements in ``ring`` (its relay taken)."""
-    return ring.expand_sum(session.mask_terms(), count)
+def expand_vector(
+    session: DeviceSession, ring: MaskRing, count: int, among: Sequence[str] | None = None, undo: bool = False
+) -> Any:
+    """``session``'s mask vector of ``count`` elements in ``ring``: with its partners (its relay taken) or
+    the neighbours ``among``; ``undo``: the pairwise masks with ``among`` alone, negated (to take them out
+    of a vector expanded with more neighbours than became partners)."""
+    if undo:
+        return ring.expand_sum([(seed, -sign) for seed, sign in session.pair_terms(among)], count)
+    return ring.expand_sum(session.mask_terms(among), count)
 
 
 def mask_shape(task: Task, size: int, he: HEBackend | None) -> tuple[MaskRing, int] | None:
@@ -74,7 +82,8 @@ class _Live:
     sent_shares: bool = False
     failures: list[str] = field(default_factory=list)
     shape: tuple[MaskRing, int] | None = None  # the mask vector the task will take
-    vector: asyncio.Future[Any] | None = None  # ... expanded ahead, once the relay is in
+    draft: tuple[frozenset[str], asyncio.Future[Any]] | None = None  # ... with the roster's neighbours
+    vector: asyncio.Future[Any] | None = None  # ... with the partners, once the relay is in
 
     def fail(self, exc: ValidationError) -> None:
         if not self.ready.done():
@@ -187,15 +196,39 @@ class Masking:
         self._expand_ahead(live)
 
     def _expand_ahead(self, live: _Live) -> None:
-        ready = live.ready
-        if live.shape is None or live.vector is not None or not ready.done() or ready.cancelled():
+        """Start the draft once the roster is in, the vector once the relay is (module docstring)."""
+        ready, session = live.ready, live.session
+        if live.shape is None or live.vector is not None or ready.cancelled():
+            return
+        if not ready.done():
+            if live.draft is None and session.neighbours:
+                among = frozenset(session.neighbours)
+                live.draft = (among, self._expand(session, *live.shape, sorted(among)))
             return
         if ready.exception() is not None:
             return
+        if live.draft is None:
+            live.vector = self._expand(session, *live.shape)
+            return
+        among, draft = live.draft
+        gone = sorted(among - set(session.partners))
+        if gone:
+            draft = asyncio.ensure_future(self._corrected(live, draft, gone))
+            draft.add_done_callback(lambda f: f.cancelled() or f.exception())
+        live.vector = draft
+
+    def _expand(self, session: DeviceSession, ring: MaskRing, count: int, *args: Any) -> asyncio.Future[Any]:
         assert self._loop is not None
-        ring, count = live.shape
-        live.vector = self._loop.run_in_executor(None, self.vector, live.session, ring, count)
-        live.vector.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if unused
+        fut = self._loop.run_in_executor(None, self.vector, session, ring, count, *args)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if unused
+        return fut
+
+    async def _corrected(self, live: _Live, draft: asyncio.Future[Any], gone: list[str]) -> Any:
+        """The draft without the masks of the neighbours ``gone`` (they did not become partners)."""
+        assert live.shape is not None
+        ring, _ = live.shape
+        undo = await self._expand(live.session, *live.shape, gone, True)
+        return ring.add(await draft, undo)
 
     def _forget(self, key: tuple[int, int]) -> None:
         live = self._live.pop(key)
@@ -244,6 +277,7 @@ class Masking:
             ):
                 self.certificates[cid] = cert
         await publish(T.SHARES, shares)
+        self._expand_ahead(live)
 
     def on_relay(self, relay: MaskRelay) -> None:
         live = self._find(relay)

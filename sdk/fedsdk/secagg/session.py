@@ -20,6 +20,7 @@ A device refuses, with ``min_aggregate`` in the reason:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -183,14 +184,19 @@ class DeviceSession:
             raise ValidationError("stale_round", "no relay yet: nobody to mask with")
         return senders
 
-    def mask_terms(self) -> list[tuple[bytes, int]]:
+    def mask_terms(self, among: Sequence[str] | None = None) -> list[tuple[bytes, int]]:
         """The ``(seed, sign)`` terms of this device's mask: its self mask and a pairwise mask with each
-        partner (``+`` for partners that sort after it), to be expanded in the backend's ring."""
+        partner (``+`` for partners that sort after it), to be expanded in the backend's ring. ``among``:
+        with these neighbours instead of the partners (a mask expanded before the relay names them)."""
+        return [(self_seed(self._b, self.ctx, self.me), 1), *self.pair_terms(among)]
+
+    def pair_terms(self, among: Sequence[str] | None = None) -> list[tuple[bytes, int]]:
+        """The pairwise terms of :meth:`mask_terms` alone."""
         c = self.ctx
-        terms = [(self_seed(self._b, c, self.me), 1)]
-        for v in self.partners:
-            terms.append((pair_seed(self._s, self.neighbours[v].s_pk, c, self.me, v), pair_sign(self.me, v)))
-        return terms
+        return [
+            (pair_seed(self._s, self.neighbours[v].s_pk, c, self.me, v), pair_sign(self.me, v))
+            for v in (self.partners if among is None else among)
+        ]
 
     def on_unmask(self, req: UnmaskRequest) -> UnmaskShares:
         """This device's shares for the sum ``req`` names: of each surviving partner's (and its own) self-
