@@ -84,6 +84,7 @@ class _Live:
     shape: tuple[MaskRing, int] | None = None  # the mask vector the task will take
     draft: tuple[frozenset[str], asyncio.Future[Any]] | None = None  # ... with the roster's neighbours
     vector: asyncio.Future[Any] | None = None  # ... with the partners, once the relay is in
+    keys_sent: asyncio.Future[Any] | None = None  # the keys' publication, acknowledged or failed
 
     def fail(self, exc: ValidationError) -> None:
         if not self.ready.done():
@@ -152,8 +153,10 @@ class Masking:
         )
 
     async def begin(self, task: Task, publish: Publish) -> None:
-        """Start ``task``'s session (nothing for an unmasked task) and send its keys; the same session
-        again re-sends what it sent. MaskingRefused when the round's update is already in another sum."""
+        """Start ``task``'s session (nothing for an unmasked task) and send its keys without waiting for
+        the broker's acknowledgement (the device trains meanwhile; :meth:`blind_for` raises a failed
+        publication); the same session again re-sends what it sent. MaskingRefused when the round's update
+        is already in another sum."""
         sid = session_of(task)
         if sid is None:
             return
@@ -179,10 +182,11 @@ class Masking:
             min_aggregate=self.min_aggregate,
             send_certificate=self._cert_sent != self.link.hellos,  # a new coordinator may not have it
         )
-        self._live[key] = _Live(session, self._loop.create_future())
+        live = self._live[key] = _Live(session, self._loop.create_future())
         for old in [k for k in self._live if k[0] < task.round_id - KEEP_ROUNDS]:
             self._forget(old)
-        await publish(T.KEYS, session.keys)
+        live.keys_sent = asyncio.ensure_future(publish(T.KEYS, session.keys))
+        live.keys_sent.add_done_callback(lambda f: f.cancelled() or f.exception())
         if session.keys.certificate:
             self._cert_sent = self.link.hellos
 
@@ -326,6 +330,8 @@ class Masking:
             raise MaskingRefused("secagg_state", "no masking session for this task", round_id=task.round_id)
 
         async def ready() -> Any:
+            if live.keys_sent is not None:
+                await asyncio.shield(live.keys_sent)  # a TransportError: the round's error reply says so
             await asyncio.shield(live.ready)
             if live.vector is not None and live.shape == (ring, count):
                 return await asyncio.shield(live.vector)

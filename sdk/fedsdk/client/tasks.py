@@ -232,7 +232,7 @@ class Tasks:
         loop = asyncio.get_running_loop()
         try:
             if phase == "train" and self._masking is not None:
-                await self._masking.begin(task, link.publish)  # keys out before training (client/masking.py)
+                await self._masking.begin(task, link.publish)  # keys on their way before training starts
             base = self._work.base(task, phase)
             shape = mask_shape(task, sum(int(b.size) for b in base), device.he) if phase == "train" else None
             if shape is not None and self._masking is not None:
