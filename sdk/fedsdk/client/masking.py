@@ -234,6 +234,11 @@ class Masking:
         undo = await self._expand(live.session, *live.shape, gone, True)
         return ring.add(await draft, undo)
 
+    def close(self) -> None:
+        """End every session: a training step waiting for its relay stops at once (``secagg_state``)."""
+        for key in list(self._live):
+            self._forget(key)
+
     def _forget(self, key: tuple[int, int]) -> None:
         live = self._live.pop(key)
         if not live.ready.done():

@@ -136,7 +136,10 @@ class Tasks:
         t.add_done_callback(self.runs.discard)
 
     def close(self) -> None:
-        """Stop the device's training thread (a step still running ends on its own; nothing new starts)."""
+        """End the masking sessions (a step waiting for its relay stops) and the device's training thread
+        (a step still running ends on its own; nothing new starts)."""
+        if self._masking is not None:
+            self._masking.close()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def _declined(self, task: Task, phase: str) -> bool:
