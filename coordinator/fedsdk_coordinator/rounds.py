@@ -104,12 +104,8 @@ class RoundEngine(FederationState):
         c, store = self.config, self.store
         names = self.bundle.param_names
         params = [[n, list(s)] for n, s in zip(names, self.shapes, strict=True)]
-        identity = {
-            "federation": c.federation,
-            "strategy": self.strategy.name,
-            "clustered": bool(self.clustered),
-        }
-        identity["params"] = params
+        identity = {"federation": c.federation, "strategy": self.strategy.name, "params": params}
+        identity["clustered"] = bool(self.clustered)
         check_identity(store, identity)
         saved = load_resume(store, plaintext=self.he is None, clustered=self.clustered, limits=self.limits)
         # A new instance knows no device to be online until it says hello (the dashboard and /api/clients
@@ -255,6 +251,8 @@ class RoundEngine(FederationState):
 
     async def _run(self) -> None:
         c = self.config
+        if self.completed_round >= c.rounds:  # a restart after the last round: nothing is left to run
+            return await self._end("finished", f"the federation had finished: {c.rounds} rounds stored")
         await self._set_state("online")
         if not await wait(self.joined, c.join_timeout_s):
             why = f"only {len(self.online)} of {self.need} devices joined within {c.join_timeout_s:.0f} s"

@@ -390,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
                 log.warning("%s", unprotected)
             if args.exit_when_done:
                 await engine.finished.wait()
-                print(f"federation {engine.state} after round {engine.completed_round}")
+                said = f": {engine.detail}" if engine.detail else ""
+                print(f"federation {engine.state} after round {engine.completed_round}{said}")
                 return 0 if engine.state == "finished" else 1
             await asyncio.Event().wait()
             return 0
