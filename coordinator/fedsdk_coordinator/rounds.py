@@ -102,10 +102,9 @@ class RoundEngine(FederationState):
     def _restore(self) -> None:
         """Load the state a previous instance left in the store (see :mod:`fedsdk_coordinator.resume`)."""
         c, store = self.config, self.store
-        names = self.bundle.param_names
-        params = [[n, list(s)] for n, s in zip(names, self.shapes, strict=True)]
-        identity = {"federation": c.federation, "strategy": self.strategy.name, "params": params}
-        identity["clustered"] = bool(self.clustered)
+        params = [[n, list(s)] for n, s in zip(self.bundle.param_names, self.shapes, strict=True)]
+        identity: dict[str, Any] = {"federation": c.federation, "strategy": self.strategy.name}
+        identity.update(clustered=bool(self.clustered), params=params)
         check_identity(store, identity)
         saved = load_resume(store, plaintext=self.he is None, clustered=self.clustered, limits=self.limits)
         # A new instance knows no device to be online until it says hello (the dashboard and /api/clients

@@ -42,6 +42,7 @@ from fedsdk.protocol import (
 )
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import check_kind
+from fedsdk.ratelog import LimitedLog
 from fedsdk_coordinator.clustering import assign_nearest
 from fedsdk_coordinator.engine.masking import check_partner, on_masking
 from fedsdk_coordinator.engine.measure import Measured, record_report, record_update
@@ -60,7 +61,7 @@ class Inbound:
     """The message handlers of one :class:`~fedsdk_coordinator.rounds.RoundEngine`, over its state."""
 
     def __init__(self, engine: RoundEngine) -> None:
-        self.e = engine
+        self.e, self.said = engine, LimitedLog(log)  # lines a sender causes, limited per kind
 
     def handle(self, topic: str, payload: bytes) -> None:
         """Take one inbound message. Never raises: a bad message is logged and counted."""
@@ -99,7 +100,7 @@ class Inbound:
                 self._reply(client_id, msg, payload)
         except ValidationError as exc:
             e.rejected.add(exc.code)
-            log.warning("rejected message on %s: %s", topic, exc.reason)
+            self.said.warning(exc.code, "rejected message on %s: %s", topic, exc.reason)
         except Exception:  # a handler bug must not take the coordinator down
             e.rejected.add("internal")
             log.exception("error handling message on %s", topic)

@@ -324,7 +324,7 @@ class FedClient:
                         self._relay.take(decoded, self._publish, self._aggregates.settle)
                     else:
                         self._device.rejected.add("bad_kind")
-                        log.warning("unexpected %s on %s", type(decoded).__name__, topic)
+                        link.said.warning("bad_kind", "unexpected %s on %s", type(decoded).__name__, topic)
                 except TransportClosed:
                     raise
                 except TransportError as exc:  # the link stayed down: the coordinator asks again later

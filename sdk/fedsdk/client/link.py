@@ -47,6 +47,7 @@ from fedsdk.protocol import (
     encode,
 )
 from fedsdk.protocol import topics as T
+from fedsdk.ratelog import LimitedLog
 from fedsdk.transport import MqttTransport, TlsConfig, Will
 
 __all__ = ["Link", "Publish"]
@@ -71,6 +72,7 @@ class Link:
         probe_bytes: int,
     ) -> None:
         self.device = device
+        self.said = LimitedLog(log)  # lines a sender causes (rejected, unexpected), limited per kind
         self.hello_epoch: str | None = None  # the coordinator instance last greeted
         self.heard = time.monotonic()  # when the coordinator was last heard from (any message)
         self.cluster_topic: str | None = None  # the topic of this device's cluster, once it has one
@@ -148,7 +150,7 @@ class Link:
                 decoded: BaseMessage = decode(msg.payload)
             except ValidationError as exc:
                 self.device.rejected.add(exc.code)
-                log.warning("rejected message on %s: %s", msg.topic, exc.reason)
+                self.said.warning(exc.code, "rejected message on %s: %s", msg.topic, exc.reason)
                 continue
             self.heard = time.monotonic()
             yield msg.topic, decoded

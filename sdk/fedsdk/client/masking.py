@@ -312,7 +312,7 @@ class Masking:
         publish = link.publish
         if topic != (link.cluster_topic if isinstance(msg, UnmaskRequest) else link.down_topic):
             self.device.rejected.add("bad_kind")
-            log.warning("unexpected %s on %s", type(msg).__name__, topic)
+            link.said.warning("bad_kind", "unexpected %s on %s", type(msg).__name__, topic)
             return
         try:
             if isinstance(msg, MaskRoster):
@@ -323,7 +323,7 @@ class Masking:
                 await self.on_unmask(msg, publish)
         except ValidationError as exc:
             self.device.rejected.add(exc.code)
-            log.warning("round %d: masking refused: %s", msg.round_id, exc.reason)
+            link.said.warning(exc.code, "round %d: masking refused: %s", msg.round_id, exc.reason)
 
     # -- in the executor --------------------------------------------------------------------------
     def blind_for(self, task: Task, ring: MaskRing, count: int) -> Any:

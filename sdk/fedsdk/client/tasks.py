@@ -225,7 +225,7 @@ class Tasks:
             rerun = self._masking is not None and exc.code == "stale_round" and self._masking.can_rerun(task)
             if not rerun or task.round_id != self._last_task_round:
                 device.rejected.add(exc.code)
-                log.warning("rejected task: %s", exc.reason)
+                link.said.warning(exc.code, "rejected task: %s", exc.reason)
                 return
         if await self._declined(task, phase):
             return
