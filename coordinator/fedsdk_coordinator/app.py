@@ -188,6 +188,7 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     # After a broker restart or a network cut: re-publish the status and the latest aggregates, re-send
     # the open rounds' tasks (anything in flight may be lost; see RoundEngine.link_restored).
     transport.on_reconnect = lambda _n: engine.link_restored()
+    engine.link_up = lambda: transport.connected
     transport_box.append(transport)
     app[ENGINE] = engine
     app[TRANSPORT] = transport

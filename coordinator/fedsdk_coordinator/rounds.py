@@ -179,6 +179,7 @@ class RoundEngine(FederationState):
         it to say hello) and the latest aggregate of each cluster, and send the task again to every
         participant of the open rounds that has not replied. Called on the event loop by the transport's
         ``on_reconnect`` hook; the round loop's outbox task does the publishing."""
+        self.link_epoch += 1
         self.outbox.post(T.status(self.config.federation), self.status_message(), retain=True)
         for topic, env in self._last_aggregate.values():
             self.outbox.post(topic, env, retain=True)

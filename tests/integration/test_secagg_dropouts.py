@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -269,3 +270,36 @@ async def test_an_he_round_survives_two_of_six_devices_dying_after_sharing(
     assert packs is not None
     want = he.decode(packs, sum(weights)).ravel()[: engine.n_values]
     np.testing.assert_array_equal(got, want)
+
+
+async def test_a_device_killed_mid_round_leaves_it_after_the_grace_not_the_deadline(
+    tmp_path: Path, broker: MosquittoProcess
+) -> None:
+    """SIGKILL: the broker sends the device's will at once; the coordinator waits ``lost_grace_s`` for it
+    to come back, then the round goes on without it (its masks taken out), long before the deadline."""
+    data = shards(tmp_path, 4)
+    ids = sorted(data)
+    doom = {1: {ids[2]}}
+    fed = f"lost{secrets.token_hex(3)}"
+    rounds = RoundConfig(federation=fed, strategy="plaintext", rounds=1, min_clients=3, start_clients=4,
+                         deadline_s=120.0, seed=3, farewell_s=2.0, report_timeout_s=2.0,
+                         lost_grace_s=3.0)  # fmt: skip
+    config = CoordinatorConfig(rounds=rounds, state_dir=tmp_path / "s", model="mlp", broker_url=broker.url,
+                               insecure=True)  # fmt: skip
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    with killing(procs, doom) as (named, killed):
+        async with running(config) as engine:
+            base = [w.copy() for w in engine.initial]
+            for cid in ids:
+                procs[cid] = await spawn(broker.url, fed, cid, data[cid][0])
+            await until(lambda: bool(killed), "the kill", 120)
+            t0 = time.monotonic()
+            await until(lambda: engine.completed_round >= 1, "round 1", 100)
+            closed_after = time.monotonic() - t0
+            await finish(engine, procs, doom[1])
+            got = [w.copy() for w in engine.weights]
+    assert closed_after < 30, f"round 1 closed {closed_after:.1f} s after the kill (deadline 120 s)"
+    alive = set(ids) - doom[1]
+    assert set(named[1]) == alive
+    for g, exp in zip(got, survivors_model(engine, data, alive, base, 1), strict=True):
+        np.testing.assert_array_equal(g, exp)

@@ -61,6 +61,7 @@ class RoundConfig:
     report_timeout_s: float = 30.0
     heartbeat_s: float = 30.0  # the retained status is published again this often (devices' idle bound)
     farewell_s: float = 10.0  # after the last round, how long to wait for online devices to say goodbye
+    lost_grace_s: float = 10.0  # a device whose connection broke: waited for this long, then rounds go on
     secagg: bool = True  # mask every update so that only cluster sums are readable (fedsdk.secagg)
     min_aggregate: int = DEFAULT_MIN_AGGREGATE  # the fewest devices a sum may hold
     secagg_wait_s: float = 10.0  # how long each masking stage waits for the devices' keys and shares
@@ -100,5 +101,7 @@ def check_config(c: RoundConfig) -> None:
         raise ConfigError(f"key mode must be shared or keyserver, got {c.key_mode!r}")
     if isinstance(c.min_aggregate, bool) or not isinstance(c.min_aggregate, int) or c.min_aggregate < 2:
         raise ConfigError(f"min_aggregate must be an integer >= 2, got {c.min_aggregate!r}")
+    if not 0.0 <= c.lost_grace_s <= 3600.0:
+        raise ConfigError(f"lost_grace_s must be in [0, 3600], got {c.lost_grace_s}")
     if not 0.0 < c.secagg_wait_s <= 3600.0:
         raise ConfigError(f"secagg_wait_s must be in (0, 3600], got {c.secagg_wait_s}")

@@ -14,6 +14,8 @@ counted apart (``declines``, by code; its result's status is the code) and never
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -183,23 +185,13 @@ class Inbound:
             e.store.set_online(client_id, False)
             log.info("device %s left (%d online)", client_id, len(e.online))
         e.presence.set()
-        if msg.reason == BYE_LOST:
-            # The broker's will for a broken connection (also sent when the broker itself shuts down): the
-            # device may be back in a moment, so its rounds keep waiting for it until their deadline.
+        if msg.reason == BYE_LOST:  # the broker's will for a broken connection: back in a moment?
+            with contextlib.suppress(RuntimeError):  # (no loop: a hand-driven engine in a test)
+                asyncio.get_running_loop().call_later(e.config.lost_grace_s, lost, e, client_id, e.link_epoch)
             return
         # A goodbye the device said itself (stopped, Ctrl-C, SIGTERM): no round waits for it any more.
         e.expected.discard(client_id)
-        for rnd in e.every_open_round():
-            if client_id not in rnd.participants or client_id in rnd.gone:
-                continue
-            if rnd.collecting and client_id not in rnd.replies:
-                log.info(
-                    "round %d cluster %d: %s left without replying", rnd.round_id, rnd.cluster_id, client_id
-                )
-            rnd.gone.add(client_id)
-            rnd.progress.set()  # a masking stage need not wait for it
-            rnd.check_done()
-            rnd.check_reported()
+        leave_rounds(e, client_id)
 
     # -- the sketch round ------------------------------------------------------------------------------
     def _sketch(self, client_id: str, msg: Sketch, payload: bytes) -> None:
@@ -367,3 +359,31 @@ class Inbound:
         rnd.share_buffer.append(msg)
         if rnd.share_flushed or rnd.share_expect <= rnd.shared:
             e.flush_shares(rnd)
+
+
+def leave_rounds(e: RoundEngine, client_id: str) -> None:
+    """``client_id`` is gone: no open round waits for it any more (under secure aggregation it drops out of
+    its sum)."""
+    for rnd in e.every_open_round():
+        if client_id not in rnd.participants or client_id in rnd.gone:
+            continue
+        if rnd.collecting and client_id not in rnd.replies:
+            log.info("round %d cluster %d: %s left without replying", rnd.round_id, rnd.cluster_id, client_id)
+        rnd.gone.add(client_id)
+        rnd.progress.set()  # a masking stage need not wait for it
+        rnd.check_done()
+        rnd.check_reported()
+
+
+def lost(e: RoundEngine, client_id: str, epoch: int) -> None:
+    """``lost_grace_s`` after the broker's will for ``client_id``'s broken connection (a process killed, a
+    network gone): a device not back by now leaves its rounds, which go on without it instead of waiting
+    for their deadline; one back later is in them again (its hello). Not when the coordinator's own link
+    broke meanwhile: the broker sends every device's will when it goes down, and the devices say hello
+    again once it is back."""
+    if client_id in e.online or e.link_epoch != epoch or not e.link_up():
+        return
+    if any(client_id in r.participants and client_id not in r.gone for r in e.every_open_round()):
+        grace = e.config.lost_grace_s
+        log.info("device %s: its connection broke %.0f s ago and it is not back", client_id, grace)
+        leave_rounds(e, client_id)
