@@ -49,7 +49,7 @@ from fedsdk_coordinator.engine.federation import FederationState
 from fedsdk_coordinator.engine.inbound import Inbound
 from fedsdk_coordinator.engine.masking import new_session, republish
 from fedsdk_coordinator.engine.outbox import Outbox, Publish
-from fedsdk_coordinator.engine.planning import group_by_cluster, plan_rounds
+from fedsdk_coordinator.engine.planning import failed_on_device, group_by_cluster, plan_rounds
 from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, without_lacking
 from fedsdk_coordinator.engine.sketching import refine_clusters, run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
@@ -293,6 +293,7 @@ class RoundEngine(FederationState):
         the same task again with the same reply (they do not train twice on one round)."""
         c = self.config
         self.store.drop_replies(round_id)
+        self.retry_without = {round_id: failed_on_device(self.open_rounds.values(), round_id)}
         self.open_rounds = {k: r for k, r in self.open_rounds.items() if r.round_id != round_id}
         self.detail = f"{why}; waiting up to {c.join_timeout_s:.0f} s for a device to join or return"
         log.error("%s", self.detail)
@@ -312,7 +313,8 @@ class RoundEngine(FederationState):
         self.planned_at = self.arrivals
         if self.clustering is not None and 0 < self.config.recluster_after <= self.late_sketches:
             await refine_clusters(self, round_id)
-        online = await without_lacking(self, round_id)
+        skip = self.retry_without.get(round_id, {})
+        online = [c for c in await without_lacking(self, round_id) if c not in skip]
         groups, unsketched = group_by_cluster(online, self.clusters, self.clustered)
         for cid in unsketched:
             sketch_task = self._task(0, 0, cid, phase="sketch", budget=0.0)

@@ -55,6 +55,7 @@ class FederationState:
         self.resumed: list[RoundState] = []  # the round in progress when the previous instance stopped
         self.joined = asyncio.Event()  # set when ``need`` devices are online
         self.presence = asyncio.Event()  # set on every hello and goodbye
+        self.retry_without: dict[int, dict[str, str]] = {}  # a round's next attempt runs without these
         self.link_epoch = 0  # times the coordinator's own broker link came back
         self.link_up: Callable[[], bool] = lambda: True  # whether it is up now (the application's transport)
         self.need = max(config.min_clients, config.start_clients, config.quorum_floor)

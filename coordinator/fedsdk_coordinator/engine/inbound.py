@@ -218,6 +218,8 @@ class Inbound:
             e.clusters[client_id] = k
             e.store.set_cluster(client_id, k)
             e.sketches[client_id] = vec  # new evidence: the next round may split its cluster (rounds.py)
+            e.arrivals += 1  # a device the next round can plan: a failed round waiting to run again starts
+            e.presence.set()
             log.info("late device %s joins cluster %d", client_id, k)
         elif client_id in e.online:
             # The sketch round failed for want of sketches and waits to run again: a slow device's sketch

@@ -10,13 +10,37 @@ from collections.abc import Iterable, Mapping
 
 from fedsdk.crypto import FixedPoint
 from fedsdk.errors import EncodingError
+from fedsdk.protocol import Error
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies.base import ClusterPlan, Strategy
 
-__all__ = ["group_by_cluster", "plan_rounds", "weight_unit"]
+__all__ = ["DEVICE_FAILURE", "failed_on_device", "group_by_cluster", "plan_rounds", "weight_unit"]
+
+DEVICE_FAILURE = "device"  # the Error code of a device whose training (or its own checks) failed
 
 log = logging.getLogger(__name__)
+
+
+def failed_on_device(rounds: Iterable[RoundState], round_id: int) -> dict[str, str]:
+    """The devices whose reply to ``round_id`` in ``rounds`` (an attempt that failed) says their own
+    work failed (a training that diverged, a model they cannot run), and why. Decision: the attempt that
+    runs next is planned without them, so that one broken device cannot hold a round under its quorum
+    again and again; the round after is planned with them again (a device may fail once)."""
+    out = {}
+    for rnd in rounds:
+        if rnd.round_id != round_id:
+            continue
+        for cid, reply in sorted(rnd.replies.items()):
+            if isinstance(reply, Error) and reply.code == DEVICE_FAILURE:
+                out[cid] = reply.reason
+    if out:
+        log.warning(
+            "the round runs again without %s: %s",
+            ", ".join(out),
+            "; ".join(f"{c}: {r}" for c, r in out.items()),
+        )
+    return out
 
 
 def group_by_cluster(

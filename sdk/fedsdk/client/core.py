@@ -181,7 +181,8 @@ class FedClient:
 
     @property
     def weights(self) -> list[np.ndarray] | None:
-        """The model this device holds: the last aggregate it applied (None before the first)."""
+        """The model this device holds: the last aggregate it applied, or the model its first training
+        task carried before that (None before either)."""
         return self._device.weights
 
     @weights.setter

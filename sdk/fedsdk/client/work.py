@@ -117,8 +117,10 @@ class Work:
         if task.weights:
             base = [np.array(w, dtype=np.float32) for w in task.weights]
             self._shapes, self.names = [tuple(w.shape) for w in base], tuple(task.param_names)
-            if phase == "train":
-                device.model_round, device.model_run = task.round_id - 1, run_of(task)  # round r-1's result
+            if phase == "train":  # round r-1's result, held from now on: the coordinator counts it held (a
+                # round that fails runs again with tasks that under HE carry no model)
+                device.model_round, device.model_run = task.round_id - 1, run_of(task)
+                device.weights = [w.copy() for w in base]
             return base
         if device.weights is not None:
             if device.model_round >= task.round_id:  # kept on disk by another run of the federation: dropped
