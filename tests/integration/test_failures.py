@@ -253,3 +253,24 @@ async def test_the_coordinator_is_finished_only_once_the_devices_said_goodbye(
             assert not engine.finished.is_set(), "finished while devices were still connected"
         await asyncio.wait_for(watcher, 10)
     assert online_at_finish == [0]
+
+
+async def test_a_refused_device_does_not_count_toward_start_clients(
+    tmp_path: Path, broker: MosquittoProcess, shards: list[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    """``start_clients`` 4: three devices that fit and one refused make a federation that starts (the quorum
+    of three is online), instead of waiting for a fourth that will never train."""
+    wrong = tmp_path / "sensor.npz"
+    rng = np.random.default_rng(0)
+    save_npz(wrong, rng.normal(size=(50, 12)).astype(np.float32), rng.integers(0, 3, 50))
+    async with coordinator(
+        tmp_path, broker, rounds=1, min_clients=3, start_clients=4, deadline_s=20, join_timeout_s=30
+    ) as (_, engine):
+        proc = await join_proc(broker, engine.config.federation, "sensor", wrong)
+        await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 1
+        good = [device(broker, engine, f"good{i}", shards[i]) for i in range(3)]
+        async with good[0], good[1], good[2]:
+            summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in good)), 120)
+    assert engine.state == "finished", engine.detail
+    assert [s.applied_rounds for s in summaries] == [[1], [1], [1]]

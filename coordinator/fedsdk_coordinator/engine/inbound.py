@@ -167,6 +167,9 @@ class Inbound:
             e.presence.set()
         if first:
             log.warning("device %s refused: %s", client_id, msg.reason)
+            e.need = max(e.min_online, e.need - 1)  # start_clients: not waiting for one that will not train
+            if len(e.online) >= e.need:
+                e.joined.set()
 
     def _seen(self, client_id: str) -> None:
         """A valid message from a device that said hello: it is online (its Bye may have been a will sent
