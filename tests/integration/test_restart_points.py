@@ -205,6 +205,9 @@ async def test_plaintext_restart_at_every_stage_ends_with_the_uninterrupted_mode
     check(reference, reference, points=0)
     crashed = await federate(tmp_path / "crash", device_data, points())
     check(crashed, reference, points=ROUNDS)
+    with Store(crashed.state / "coordinator.sqlite") as b:  # rounds aggregated before a restart too
+        times = {r.round_id: r.metrics.get("round_s") for r in b.rounds()}
+        assert all(isinstance(t, float) and t > 0 for t in times.values()), times
     with Store(reference.state / "coordinator.sqlite") as a, Store(crashed.state / "coordinator.sqlite") as b:
         ra, rb = a.latest_model(0), b.latest_model(0)
         assert ra is not None and rb is not None and ra[0] == rb[0] == ROUNDS

@@ -166,6 +166,9 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
         )  # fmt: skip
     if e.store.round_state(rnd.round_id, rnd.cluster_id) != "done":
         valid = rnd.valid
+        # the round's time from its plan, the restart included (the plan's wall clock: the only one both
+        # instances share)
+        started = [r.started for r in e.store.rounds(rnd.cluster_id) if r.round_id == rnd.round_id]
         e.store.finish_round(
             rnd.round_id,
             rnd.cluster_id,
@@ -174,6 +177,7 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
             total_samples=sum(int(getattr(u, "num_samples", 0)) for u in valid),
             metrics={
                 "resumed": 1,
+                "round_s": time.time() - started[0] if started else 0.0,
                 "declined": len(rnd.declined),
                 **{"budget_" + cid: b for cid, b in rnd.budgets.items()},
             },
