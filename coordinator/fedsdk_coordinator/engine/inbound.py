@@ -112,8 +112,9 @@ class Inbound:
         e = self.e
         facts: dict[str, Any] = dict(hello.device)
         facts.update(he_values_per_s=hello.he_values_per_s, uplink_bytes_per_s=hello.uplink_bytes_per_s)
-        e.store.upsert_client(client_id, hello.num_samples, facts)
         again = client_id in e.hellos  # a device re-announcing itself (it reconnected)
+        if not again or e.hellos[client_id] != hello or client_id not in e.online:  # a flood: no write each
+            e.store.upsert_client(client_id, hello.num_samples, facts)
         e.hellos[client_id] = hello
         e.certs_sent.pop(client_id, None)  # a new process of the device holds no neighbour's certificate
         e.online[client_id] = hello
