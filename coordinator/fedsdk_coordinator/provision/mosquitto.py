@@ -79,6 +79,9 @@ set_tcp_nodelay true
 # arrives, before mosquitto reads (and buffers) the payload.
 max_packet_size ${MAX_PACKET_SIZE}
 
+# mosquitto 2.0 logs an ACL denial ("Denied PUBLISH from <client> ... '<topic>'") only with log_type debug,
+# which also logs every packet: add `log_type debug` while investigating a device whose messages vanish (a
+# denied QoS 1 publish is still acknowledged under MQTT 3.1.1), then take it out again.
 log_dest stderr
 log_type error
 log_type warning
