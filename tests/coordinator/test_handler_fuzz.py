@@ -602,3 +602,27 @@ def test_decryption_shares_are_split_and_relayed_unopened(tmp_path: Path, device
             assert measured == pytest.approx(mine * device_he.pack_size / seconds)
     finally:
         live.close()
+
+
+def test_the_federated_figure_counts_the_devices_whose_updates_are_in_the_aggregate(tmp_path: Path) -> None:
+    """A device that answered with an error still applies the aggregate and reports its accuracy; the
+    round's federated accuracy is over the devices whose updates were aggregated."""
+    live = Live(tmp_path / "p.sqlite", deadline_s=60)
+    try:
+        d0, d1, d2 = DEVICES
+        for cid in (d0, d1):
+            handle_and_check(live, T.up(FED, cid, T.UPDATE), encode(plain_update(cid, live)))
+        failed = Error(client_id=d2, round_id=1, code="device", reason="training produced non-finite weights")
+        handle_and_check(live, T.up(FED, d2, T.ERROR), encode(failed))
+        live.until_aggregate()
+        for cid, acc in ((d0, 0.9), (d1, 0.7), (d2, 0.0)):
+            live.engine.handle(
+                T.up(FED, cid, T.REPORT),
+                encode(Report(cid, 1, 0, {"test_accuracy": acc, "test_samples": 10})),
+            )
+        live.finish()
+        (record,) = live.store.rounds()
+        assert record.metrics["device_eval_devices"] == 2
+        assert record.metrics["device_accuracy"] == pytest.approx(0.8)
+    finally:
+        live.close()

@@ -89,7 +89,10 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
             "round %d cluster %d: %d of %d reports", round_id, cluster_id, len(rnd.reports), len(valid)
         )
     metrics = dict(agg.metrics)
-    metrics.update(federated_metrics([r.metrics for r in rnd.reports.values()]))
+    # the federated figure is over the devices whose updates are in the aggregate: one that sent none (it
+    # failed, it declined) still evaluates the model it applied, but a figure it did not train for
+    summed_ids = {str(u.client_id) for u in summed}
+    metrics.update(federated_metrics([r.metrics for cid, r in rnd.reports.items() if cid in summed_ids]))
     ratios = [float(u.metrics.get("encrypted_ratio", 0.0)) for u in valid]
     metrics.update(base, encrypted_ratio=float(np.mean(ratios)), round_s=time.monotonic() - rnd.sent_at)
     e.store.finish_round(
