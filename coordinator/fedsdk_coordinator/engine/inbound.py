@@ -160,7 +160,7 @@ class Inbound:
         """A device whose data cannot fit the model (it says so instead of hello, and trains nothing): it is
         shown, with its reason, and the federation goes on with the others."""
         e = self.e
-        first = e.refused.get(client_id) != msg.reason
+        first, new = e.refused.get(client_id) != msg.reason, client_id not in e.refused
         e.refused[client_id] = msg.reason
         e.store.refuse_client(client_id, msg.reason)
         e.expected.discard(client_id)
@@ -168,7 +168,8 @@ class Inbound:
             e.presence.set()
         if first:
             log.warning("device %s refused: %s", client_id, msg.reason)
-            e.need = max(e.min_online, e.need - 1)  # start_clients: not waiting for one that will not train
+        if new:  # start_clients does not wait for a device that will not train
+            e.need = max(e.min_online, e.need - 1)
             if len(e.online) >= e.need:
                 e.joined.set()
 
