@@ -29,7 +29,10 @@ reliable channel), so these are our decisions:
   Recently completed ids are remembered so a re-delivered message is dropped once, not delivered twice.
 * Memory is bounded: at most ``max_pending`` incomplete messages and ``max_pending_bytes`` buffered bytes;
   the oldest incomplete message is evicted first, and an incomplete message that received nothing for
-  ``incomplete_timeout`` seconds is dropped. Both count in ``dropped_incomplete``.
+  ``incomplete_timeout`` seconds is dropped. Both count in ``dropped_incomplete``. One sender holds at
+  most one largest message's worth (``max_message_bytes``) of incomplete data, its own oldest evicted
+  first: a sender is a topic without its last level (``fl/<fed>/up/<device>`` for every kind a device
+  sends), so one device that starts messages it never finishes cannot take the room of the others.
 * Bad input never raises: :meth:`Reassembler.feed` returns ``None`` and counts the rejection by reason.
 
 Size limits, all derived from :data:`MAX_MESSAGE_BYTES` (the largest message fedsdk accepts: the default
@@ -58,6 +61,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from fedsdk.ratelog import LimitedLog
+
 __all__ = [
     "HEADER",
     "HEADER_SIZE",
@@ -76,6 +81,12 @@ __all__ = [
 ]
 
 log = logging.getLogger("fedsdk.transport")
+
+
+def _sender(topic: str) -> str:
+    """Who sent a message on ``topic``, for the per-sender bound: the topic without its last level."""
+    return topic.rsplit("/", 1)[0]
+
 
 MAGIC = b"FDCH"
 VERSION = 1
@@ -220,6 +231,8 @@ class Reassembler:
         self._clock = clock
         self._pending: OrderedDict[tuple[str, bytes], _Pending] = OrderedDict()
         self._pending_bytes = 0
+        self._sender_bytes: Counter[str] = Counter()  # incomplete bytes by sender (module docstring)
+        self._said = LimitedLog(log)  # a sender decides how many messages it leaves incomplete
         self._completed: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self.rejections: Counter[str] = Counter()
         self.dropped_incomplete = 0
@@ -266,10 +279,11 @@ class Reassembler:
         entry.received_bytes += len(data)
         entry.last_seen = now
         self._pending_bytes += len(data)
+        self._sender_bytes[_sender(topic)] += len(data)
         self._pending.move_to_end(key)
         if len(entry.chunks) == header.count:
             del self._pending[key]
-            self._pending_bytes -= entry.received_bytes
+            self._forget_bytes(topic, entry.received_bytes)
             payload = b"".join(entry.chunks[i] for i in range(header.count))
             return self._finish(topic, key, header, payload)
         self._enforce_bounds(keep=key)
@@ -283,7 +297,20 @@ class Reassembler:
             self._drop(key, "timed out")
         return len(stale)
 
+    def _forget_bytes(self, topic: str, n: int) -> None:
+        self._pending_bytes -= n
+        sender = _sender(topic)
+        self._sender_bytes[sender] -= n
+        if self._sender_bytes[sender] <= 0:
+            del self._sender_bytes[sender]
+
     def _enforce_bounds(self, keep: tuple[str, bytes]) -> None:
+        sender = _sender(keep[0])
+        while self._sender_bytes[sender] > self.max_message_bytes:
+            mine = [k for k in self._pending if k != keep and _sender(k[0]) == sender]
+            if not mine:  # the one message alone: within max_message_bytes by its header
+                break
+            self._drop(mine[0], "its sender holds more than one largest message of incomplete data")
         while len(self._pending) > self.max_pending or self._pending_bytes > self.max_pending_bytes:
             oldest = next(iter(self._pending))
             if oldest == keep and len(self._pending) == 1:
@@ -296,9 +323,10 @@ class Reassembler:
 
     def _drop(self, key: tuple[str, bytes], why: str) -> None:
         entry = self._pending.pop(key)
-        self._pending_bytes -= entry.received_bytes
+        self._forget_bytes(key[0], entry.received_bytes)
         self.dropped_incomplete += 1
-        log.warning(
+        self._said.warning(
+            why,
             "dropped incomplete message on %s (id %s, %d/%d chunks): %s",
             key[0],
             key[1].hex()[:12],

@@ -531,3 +531,45 @@ async def test_amqtt_tls_with_required_client_certificates(dev_pki: DevPki, tmp_
         foreign = TlsConfig(str(dev_pki.ca_file), *map(str, other.clients["dev1"]))
         with pytest.raises(ConnectError):
             await MqttTransport.from_url(broker.url, client_id="dev1", tls=foreign, timeout=5).connect()
+
+
+def test_one_sender_holds_at_most_one_largest_message_of_incomplete_data() -> None:
+    """A device that starts messages on its topics and never finishes them holds at most
+    ``max_message_bytes`` of the reassembler, its own oldest evicted first; another sender's message is
+    untouched and completes."""
+    r = Reassembler(max_message_bytes=1000, max_pending_bytes=10_000)
+    for i in range(8):  # 8 messages of 900 bytes, 2 of 3 chunks each, on the rogue's topics
+        frames = split_payload(bytes([i]) * 900, 300)
+        for f in frames[:2]:
+            assert r.feed(f"fl/f/up/rogue/{'update' if i % 2 else 'sketch'}", f) is None
+    other = split_payload(b"x" * 900, 300)
+    assert r.feed("fl/f/up/good/update", other[0]) is None
+    assert r.pending_bytes <= 1000 + 300
+    assert r.dropped_incomplete == 7
+    for f in other[1:-1]:
+        r.feed("fl/f/up/good/update", f)
+    assert r.feed("fl/f/up/good/update", other[-1]) == b"x" * 900
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=1000), min_size=1, max_size=12),
+    senders=st.lists(st.sampled_from(["a", "b", "c"]), min_size=12, max_size=12),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+)
+def test_incomplete_bytes_per_sender_stay_within_one_message(
+    sizes: list[int], senders: list[str], seed: int
+) -> None:
+    r = Reassembler(max_message_bytes=1000, max_pending_bytes=100_000)
+    tagged = []
+    for i, n in enumerate(sizes):
+        frames = split_payload(bytes([i]) * n, 128)
+        tagged += [(f"fl/f/up/{senders[i]}/k{i % 3}", f) for f in frames[: max(1, len(frames) - 1)]]
+    random.Random(seed).shuffle(tagged)
+    for topic, f in tagged:
+        r.feed(topic, f)
+        held: dict[str, int] = {}
+        for (t, _), entry in r._pending.items():  # the bytes each incomplete message holds
+            held[t.rsplit("/", 1)[0]] = held.get(t.rsplit("/", 1)[0], 0) + entry.received_bytes
+        assert all(n <= 1000 for n in held.values()), held
+        assert sum(held.values()) == r.pending_bytes
