@@ -129,7 +129,8 @@ class Inbound:
             run = facts.get("model_run")
             run = run if isinstance(run, int) and not isinstance(run, bool) else None
             if e.relays.of_another_run(model_round, run):  # its state directory outlived a run (engine.relay)
-                log.warning(
+                self.said.warning(
+                    "other_run",
                     "device %s says it holds the model of round %d, of an earlier run of this federation: "
                     "it gets the federation's model instead",
                     client_id, model_round,
