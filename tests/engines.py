@@ -116,6 +116,13 @@ def digit_devices(
     ]
 
 
+async def run_device(client: FedClient, *, timeout: float = 120.0, delay: float = 0.0) -> Any:
+    """Open ``client`` (after ``delay`` seconds) and run it to its end: its summary."""
+    await asyncio.sleep(delay)
+    async with client:
+        return await client.run(timeout=timeout)
+
+
 async def until(cond: Callable[[], object], what: str, timeout: float = 60.0) -> None:
     """Wait (polling) until ``cond()`` is true; AssertionError naming ``what`` after ``timeout`` seconds."""
     end = time.monotonic() + timeout

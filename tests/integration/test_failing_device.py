@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from brokers import MosquittoProcess
-from engines import coordinator, device, digit_shards, he_key_dirs, slowed
+from engines import coordinator, device, digit_shards, he_key_dirs, run_device, slowed
 from fedsdk.errors import TrainingError
 from fedsdk.hekeys import load_he
 from fedsdk_coordinator import RoundConfig
@@ -41,13 +41,10 @@ async def test_an_always_failing_device_does_not_stop_a_protected_federation(
         for i, c in enumerate(clients):
             failing(c) if i == bad_at else slowed(c, 1.0)  # rounds last until the late devices are in
         order = [bad_at] + [i for i in range(5) if i != bad_at] if bad_at == 0 else list(range(5))
-
-        async def run(c: Any, delay: float) -> Any:
-            await asyncio.sleep(delay)
-            async with c:
-                return await c.run(timeout=200)
-
-        tasks = [asyncio.create_task(run(clients[i], 0.0 if k < 3 else 1.5)) for k, i in enumerate(order)]
+        tasks = [
+            asyncio.create_task(run_device(clients[i], timeout=200, delay=0.0 if k < 3 else 1.5))
+            for k, i in enumerate(order)
+        ]
         summaries = await asyncio.gather(*tasks)
         await asyncio.wait_for(engine.finished.wait(), 30)
     by_id = {s.client_id: s for s in summaries}

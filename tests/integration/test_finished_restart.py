@@ -8,12 +8,11 @@ import asyncio
 import secrets
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from brokers import MosquittoProcess
-from engines import coordinator, device, digit_shards
+from engines import coordinator, device, digit_shards, run_device
 from fedsdk_coordinator import RoundConfig
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -26,12 +25,7 @@ async def test_a_restart_after_the_last_round_finds_the_federation_finished(
                          deadline_s=20.0, seed=1, farewell_s=1.0, clustering=False)  # fmt: skip
     async with coordinator(tmp_path, broker, rounds) as engine:
         clients = [device(broker, engine, f"d{i}", d) for i, d in enumerate(digit_shards(3))]
-
-        async def run(c: Any) -> Any:
-            async with c:
-                return await c.run(timeout=120)
-
-        summaries = await asyncio.gather(*(run(c) for c in clients))
+        summaries = await asyncio.gather(*(run_device(c) for c in clients))
         await asyncio.wait_for(engine.finished.wait(), 30)
     assert engine.state == "finished" and [s.state for s in summaries] == ["finished"] * 3
     t0 = time.monotonic()

@@ -9,12 +9,11 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from brokers import MosquittoProcess
-from engines import coordinator, device, digit_shards
+from engines import coordinator, device, digit_shards, run_device
 from fedsdk.protocol import topics as T
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator import RoundConfig
@@ -33,12 +32,7 @@ async def test_a_garbage_flood_is_counted_not_logged_line_by_line(
     caplog.set_level(logging.WARNING, logger="fedsdk_coordinator.rounds")
     async with coordinator(tmp_path, broker, rounds) as engine:
         clients = [device(broker, engine, f"d{i}", d) for i, d in enumerate(digit_shards(3))]
-
-        async def run(c: Any) -> Any:
-            async with c:
-                return await c.run(timeout=240)
-
-        runs = [asyncio.create_task(run(c)) for c in clients]
+        runs = [asyncio.create_task(run_device(c, timeout=240)) for c in clients]
         rogue = MqttTransport.from_url(broker.url, client_id="rogue", insecure=True, timeout=30.0)
         await rogue.connect()
         try:

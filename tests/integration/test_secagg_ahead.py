@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from brokers import MosquittoProcess
-from engines import coordinator, device, digit_shards, he_key_dirs, slowed
+from engines import coordinator, device, digit_shards, he_key_dirs, run_device, slowed
 from fedsdk.client.masking import expand_vector
 from fedsdk.hekeys import load_he
 from fedsdk_coordinator import RoundConfig
@@ -54,12 +54,7 @@ async def test_the_mask_is_expanded_while_the_device_trains(
                 return expand_vector(session, ring, count, *args)
 
             c._masking.vector = recording
-
-        async def run(c: Any) -> Any:
-            async with c:
-                return await c.run(timeout=120)
-
-        summaries = await asyncio.gather(*(run(c) for c in clients))
+        summaries = await asyncio.gather(*(run_device(c) for c in clients))
     assert [s.state for s in summaries] == ["finished"] * 3, [s.reason for s in summaries]
     assert sorted((cid, r) for cid, r, _ in calls) == sorted(fit_end)  # once per device and round
     for cid, r, started in calls:
@@ -79,11 +74,6 @@ async def test_more_devices_in_one_process_than_executor_threads_finish_their_ma
                          deadline_s=20.0, seed=1, farewell_s=2.0, clustering=False)  # fmt: skip
     async with coordinator(tmp_path, broker, rounds) as engine:
         clients = [device(broker, engine, f"d{i}", d) for i, d in enumerate(digit_shards(8))]
-
-        async def run(c: Any) -> Any:
-            async with c:
-                return await c.run(timeout=120)
-
-        summaries = await asyncio.gather(*(run(c) for c in clients))
+        summaries = await asyncio.gather(*(run_device(c) for c in clients))
     assert [s.state for s in summaries] == ["finished"] * 8, [s.reason for s in summaries]
     assert all(len(s.rounds) == 2 for s in summaries), [len(s.rounds) for s in summaries]

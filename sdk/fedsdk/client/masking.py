@@ -54,6 +54,12 @@ def session_of(task: Task) -> str | None:
 VectorFn = Callable[..., Any]  # as expand_vector
 
 
+def _retrieved(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """``fut``, its exception retrieved once done, so that asyncio does not log one nobody awaited."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
 def expand_vector(
     session: DeviceSession, ring: MaskRing, count: int, among: Sequence[str] | None = None, undo: bool = False
 ) -> Any:
@@ -186,7 +192,7 @@ class Masking:
         for old in [k for k in self._live if k[0] < task.round_id - KEEP_ROUNDS]:
             self._forget(old)
         live.keys_sent = asyncio.ensure_future(publish(T.KEYS, session.keys))
-        live.keys_sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        _retrieved(live.keys_sent)
         if session.keys.certificate:
             self._cert_sent = self.link.hellos
 
@@ -218,14 +224,13 @@ class Masking:
         gone = sorted(among - set(session.partners))
         if gone:
             draft = asyncio.ensure_future(self._corrected(live, draft, gone))
-            draft.add_done_callback(lambda f: f.cancelled() or f.exception())
+            _retrieved(draft)
         live.vector = draft
 
     def _expand(self, session: DeviceSession, ring: MaskRing, count: int, *args: Any) -> asyncio.Future[Any]:
         assert self._loop is not None
         fut = self._loop.run_in_executor(None, self.vector, session, ring, count, *args)
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if unused
-        return fut
+        return _retrieved(fut)
 
     async def _corrected(self, live: _Live, draft: asyncio.Future[Any], gone: list[str]) -> Any:
         """The draft without the masks of the neighbours ``gone`` (they did not become partners)."""
