@@ -4,6 +4,7 @@ Everything fedsdk raises descends from :class:`FedError`. The branches follow wh
 
     FedError
     ├── ConfigError            the operator: a bad option, a missing file, an unsafe setting
+    │   └── IdentityMismatch   a client certificate issued to another identity than the client id
     ├── StateError             the programmer: an object used in the wrong state (not opened, closed)
     ├── TransportError         the network: retry, reconnect
     │   ├── ConnectError       the broker could not be reached or refused us (TLS, auth)
@@ -32,6 +33,7 @@ __all__ = [
     "CryptoError",
     "EncodingError",
     "FedError",
+    "IdentityMismatch",
     "KeyMismatchError",
     "MaskingRefused",
     "ProtocolError",
@@ -65,6 +67,20 @@ class FedError(Exception):
 
 class ConfigError(FedError):
     """A configuration the operator must fix."""
+
+
+class IdentityMismatch(ConfigError):
+    """The client certificate is issued to another identity (its subject CN) than the client id the device
+    connects with. The brokers take the identity from the certificate (mosquitto's
+    ``use_identity_as_username``, the embedded broker's ``CertificateIdentity``), so such a device would be
+    refused, or silently denied its own topics by the ACL. ``certificate`` is the file, ``cert_identity`` its
+    CN, ``requested_id`` the client id asked for."""
+
+    def __init__(self, message: str, *, certificate: str, cert_identity: str, requested_id: str) -> None:
+        super().__init__(message)
+        self.certificate = certificate
+        self.cert_identity = cert_identity
+        self.requested_id = requested_id
 
 
 class StateError(FedError):

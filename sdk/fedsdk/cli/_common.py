@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from typing import TYPE_CHECKING
 
 from fedsdk.errors import ConfigError
 from fedsdk.transport import TlsConfig
+
+if TYPE_CHECKING:
+    from fedsdk.kit import Kit
 
 log = logging.getLogger("fedsdk.cli")
 
@@ -37,3 +42,29 @@ def tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
     if bool(args.cert) != bool(args.key):
         raise ConfigError("--cert and --key go together")
     return TlsConfig(ca_file=args.ca, cert_file=args.cert, key_file=args.key)
+
+
+_FOLDERS = {"he": ("DIR", "folder")}  # path options that name a folder: (metavar, word)
+
+
+def check_given_paths(args: argparse.Namespace, *names: str) -> None:
+    """Each of the path options ``names`` (``"ca"`` for ``--ca``) that was given names something that exists;
+    ConfigError naming the option and the path otherwise."""
+    for name in names:
+        path = getattr(args, name, None)
+        if path is not None and not os.path.exists(path):
+            option, what = f"--{name.replace('_', '-')}", _FOLDERS.get(name, ("FILE", "file"))
+            raise ConfigError(
+                f"{option} {path}: no such file or directory: pass {option} {what[0]}, an existing {what[1]}"
+            )
+
+
+def fill_tls_from_kit(args: argparse.Namespace, kit: Kit) -> None:
+    """Options given win over the kit, each for its own file: ``--ca``, ``--cert`` and ``--key`` left open
+    take the kit's file (none of them with ``--insecure``). A given path must exist."""
+    check_given_paths(args, "ca", "cert", "key")
+    if args.insecure:
+        return
+    args.ca = args.ca or str(kit.ca_file)
+    args.cert = args.cert or str(kit.cert_file)
+    args.key = args.key or str(kit.key_file)

@@ -1,7 +1,11 @@
 """``fedsdk join [<broker URL>]``: take part in a federation with local data.
 
 With ``--kit DIR`` (a device kit from ``fedsdk provision``) the broker URL, client id, federation,
-certificates and HE key come from the kit; options given on the command line still win.
+certificates and HE key come from the kit; each option given on the command line replaces its own item only
+(``--cert`` the certificate, ``--ca`` the CA, ...), and a path given must exist.
+
+A certificate issued to another identity (its CN) than the client id is refused before connecting (exit
+2): the brokers take a device's identity from its certificate.
 
 Exit codes: 0 when the federation finished and this device sent at least one update and applied at least
 one round's aggregate; 1 when it failed, the coordinator went silent (``--idle-timeout``), ``--timeout``
@@ -35,13 +39,24 @@ import json
 import signal
 import socket
 import sys
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
-from fedsdk.cli._common import add_tls_options, column_names, tls_from_args
-from fedsdk.errors import ConfigError
+from fedsdk.cli._common import (
+    add_tls_options,
+    check_given_paths,
+    column_names,
+    fill_tls_from_kit,
+    tls_from_args,
+)
+from fedsdk.errors import ConfigError, IdentityMismatch
 from fedsdk.heap import freeze_long_lived
 from fedsdk.secagg import DEFAULT_MIN_AGGREGATE
+from fedsdk.transport import TlsConfig, check_client_identity
+
+if TYPE_CHECKING:
+    from fedsdk.crypto import HEBackend
+    from fedsdk.kit import Kit
 
 #: Fine-tune epochs after each round for a device with held-out data, unless --personal-epochs says otherwise.
 DEFAULT_PERSONAL_EPOCHS = 5
@@ -176,25 +191,74 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from fedsdk.client import FedClient
-    from fedsdk.conditions import RunConditions
-    from fedsdk.hekeys import load_he
-    from fedsdk.model.data import hold_out, load_data
+def _check_identity(tls: TlsConfig | None, client_id: str, id_from: str) -> None:
+    """Refuse, before connecting, a certificate issued to another identity than the client id: the brokers
+    take the identity from the certificate (``fedsdk.transport.check_client_identity``)."""
+    try:
+        check_client_identity(tls, client_id)
+    except IdentityMismatch as exc:
+        cn = exc.cert_identity
+        raise IdentityMismatch(
+            f"certificate {exc.certificate} is issued to {cn!r} but {id_from} is {client_id!r}: use "
+            f"--client-id {cn}, or the certificate and key issued to {client_id!r} (--cert/--key or its kit)",
+            certificate=exc.certificate,
+            cert_identity=cn,
+            requested_id=client_id,
+        ) from None
 
-    labels = column_names(args.label_column)
-    x, y = load_data(args.data, label_columns=labels)
+
+@dataclass(frozen=True)
+class Settings:
+    """Where and as whom the device joins: each item from its option when given, else from ``--kit``."""
+
+    broker: str
+    client_id: str
+    federation: str
+    tls: TlsConfig | None
+    he_dir: str | None  # the HE key folder (--he, else the kit's he/); None: no HE key
+    kit: Kit | None = None
+
+    def load_he(self) -> HEBackend | None:
+        """The federation's HE backend from ``he_dir``; the kit's own key is checked against its record."""
+        from fedsdk.hekeys import load_he
+
+        if self.kit is not None and self.he_dir == str(self.kit.he_public_file.parent):
+            return self.kit.load_backend()
+        return load_he(self.he_dir) if self.he_dir is not None else None
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """The options given, each completed from the kit for its own item only (``--cert`` replaces the kit's
+    certificate, nothing else); a path given must exist, and the certificate must be issued to the client
+    id (ConfigError naming the option or both identities)."""
     kit = None
+    check_given_paths(args, "ca", "cert", "key", "he")
     if args.kit:
         from fedsdk.kit import load_kit
 
         kit = load_kit(args.kit)
+        fill_tls_from_kit(args, kit)
     broker = args.broker or (kit.broker_url if kit else None)
     if not broker:
         raise ConfigError("give the broker URL, or --kit")
     client_id = args.client_id or (kit.client_id if kit else socket.gethostname().split(".")[0])
     federation = args.federation or (kit.federation if kit else "default")
-    tls = kit.tls if kit and not (args.ca or args.insecure) else tls_from_args(args)
+    tls = tls_from_args(args)
+    id_from = "--client-id" if args.client_id else "the kit's client id" if kit else "the host name"
+    _check_identity(tls, client_id, id_from)
+    he_dir = args.he or (str(kit.he_public_file.parent) if kit and kit.he_backend else None)
+    return Settings(broker, client_id, federation, tls, he_dir, kit)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedsdk.client import FedClient
+    from fedsdk.conditions import RunConditions
+    from fedsdk.model.data import hold_out, load_data
+
+    given = settings(args)
+    broker, client_id, federation, tls = given.broker, given.client_id, given.federation, given.tls
+    labels = column_names(args.label_column)
+    x, y = load_data(args.data, label_columns=labels)
     eval_data = None
     split = args.eval_split
     if split is None and not (args.eval_data or args.eval_digits) and args.data.lower().endswith(".csv"):
@@ -211,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     personal_epochs = args.personal_epochs
     if personal_epochs is None:
         personal_epochs = DEFAULT_PERSONAL_EPOCHS if eval_data is not None else 0
-    he = load_he(args.he) if args.he else (kit.load_backend() if kit and kit.he_backend else None)
+    he = given.load_he()
     conditions = RunConditions(
         only_charging=args.only_charging,
         min_battery=args.min_battery,

@@ -48,7 +48,7 @@ from fedsdk.protocol import (
 )
 from fedsdk.protocol import topics as T
 from fedsdk.ratelog import LimitedLog
-from fedsdk.transport import MqttTransport, TlsConfig, Will
+from fedsdk.transport import MqttTransport, TlsConfig, Will, check_client_identity
 
 __all__ = ["Link", "Publish"]
 
@@ -82,6 +82,7 @@ class Link:
         self._uplink: float | None = None
         self._probe_bytes = probe_bytes
         self._fitted_for = ""  # the model whose description the local data was last checked against
+        check_client_identity(tls, device.client_id)  # another device's certificate: refused before connect
         will_payload = encode(Bye(client_id=device.client_id, reason=BYE_LOST))
         self.transport = MqttTransport.from_url(
             broker_url,

@@ -197,7 +197,10 @@ class Traffic:
             for f in refused:
                 self.subscriptions.pop(f, None)
             raise TransportError(
-                f"broker refused subscription to {', '.join(refused)}", client_id=self.client_id
+                f"the broker refused the subscription to {', '.join(refused)} (SUBACK failure): its ACL "
+                "does not let this client read it; check the federation, and that the client certificate "
+                "is issued to this client id",
+                client_id=self.client_id,
             )
 
     # ------------------------------------------------------------------ in

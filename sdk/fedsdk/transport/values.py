@@ -1,6 +1,7 @@
 """The transport's value types: where the broker is (:class:`BrokerAddress`, :func:`parse_broker_url`), the
-TLS files that reach it (:class:`TlsConfig`), the Will it publishes for us, the :class:`Message` it hands
-us, and the topics it accepts (:func:`check_topic`)."""
+TLS files that reach it (:class:`TlsConfig`) and the identity its client certificate carries
+(:func:`certificate_identity`, :func:`check_client_identity`), the Will it publishes for us, the
+:class:`Message` it hands us, and the topics it accepts (:func:`check_topic`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from fedsdk.errors import ConfigError
+from fedsdk.errors import ConfigError, IdentityMismatch
 
-__all__ = ["BrokerAddress", "Message", "TlsConfig", "Will", "check_topic", "parse_broker_url"]
+__all__ = [
+    "BrokerAddress",
+    "Message",
+    "TlsConfig",
+    "Will",
+    "certificate_identity",
+    "check_client_identity",
+    "check_topic",
+    "parse_broker_url",
+]
 
 _DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 
@@ -67,15 +77,62 @@ class TlsConfig:
             raise ConfigError("TlsConfig: cert_file and key_file go together")
         try:
             ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
-            if self.cert_file is not None:
-                ctx.load_cert_chain(self.cert_file, self.key_file)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(
-                f"TLS files unusable (ca={self.ca_file}, cert={self.cert_file}): {exc}"
+                f"CA file {self.ca_file} unusable: {exc}; --ca takes the PEM certificate of the CA that "
+                "signed the broker's"
             ) from exc
+        if self.cert_file is not None:
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"client certificate {self.cert_file} with key {self.key_file} unusable: {exc}; --cert "
+                    "and --key take this client's PEM certificate and the private key it was made for"
+                ) from exc
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.check_hostname = self.check_hostname
         return ctx
+
+
+def certificate_identity(cert_file: str) -> str:
+    """The identity a broker of the fleet gives the client that presents ``cert_file``: its subject CN.
+    mosquitto makes the CN the MQTT username its ACL checks (``use_identity_as_username``) and the client id
+    (``use_username_as_clientid``); the embedded broker refuses a client id other than the CN. ConfigError
+    when the file is unreadable or its subject does not hold exactly one CN."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    try:
+        with open(cert_file, "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the client certificate {cert_file}: {exc}") from exc
+    cns = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if len(cns) != 1:
+        raise ConfigError(
+            f"client certificate {cert_file} has {len(cns)} subject CNs; the broker takes the client's "
+            "identity from its one CN: use a certificate of the fleet CA (fedsdk provision)"
+        )
+    return cns[0]
+
+
+def check_client_identity(tls: TlsConfig | None, client_id: str) -> None:
+    """Refuse, before connecting, a client certificate issued to another identity than ``client_id``
+    (:class:`~fedsdk.errors.IdentityMismatch`): the embedded broker would refuse the connection, and
+    mosquitto would run the session as the certificate's identity, whose ACL drops every topic of
+    ``client_id`` without a word. Nothing to check without a client certificate."""
+    if tls is None or tls.cert_file is None:
+        return
+    identity = certificate_identity(tls.cert_file)
+    if identity != client_id:
+        raise IdentityMismatch(
+            f"certificate {tls.cert_file} is issued to {identity!r} but the client id is {client_id!r}: "
+            f"connect as client id {identity!r}, or with the certificate issued to {client_id!r}",
+            certificate=tls.cert_file,
+            cert_identity=identity,
+            requested_id=client_id,
+        )
 
 
 @dataclass(frozen=True)
