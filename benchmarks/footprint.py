@@ -133,9 +133,6 @@ def _provision(work: Path, n: int, broker_port: int) -> Path:
         check=True,
         capture_output=True,
     )
-    conf = work / "fleet" / "broker" / "mosquitto.conf"
-    if os.geteuid() == 0:  # mosquitto 2 drops to user mosquitto as root, which cannot read this key
-        conf.write_text(conf.read_text() + "user root\n")
     (work / "mosquitto").mkdir()
     return work / "fleet"
 

@@ -185,10 +185,11 @@ sed -i 's/^FEDSDK_IDLE_TIMEOUT=.*/FEDSDK_IDLE_TIMEOUT=1800/' "$rootfs/etc/fedsdk
 grep -v '^#' "$rootfs/etc/fedsdk/device.env" | grep -v '^$'
 
 log "5. mosquitto (mutual TLS) on 127.0.0.1:$port, coordinator, host-01"
-# the broker's files where its mosquitto.conf names them (broker.config_dir), as certs/README.md installs them
+# the broker's files where mosquitto.system.conf names them (broker.config_dir), as certs/README.md installs them
 b="$run/broker"
 install -d -m 0755 "$b"
-install -m 0644 "$run/fleet/broker/"{ca.pem,server.pem,crl.pem,acl,mosquitto.conf} "$b/"
+install -m 0644 "$run/fleet/broker/"{ca.pem,server.pem,crl.pem,acl} "$b/"
+install -m 0644 "$run/fleet/broker/mosquitto.system.conf" "$b/mosquitto.conf"
 install -m 0600 -o mosquitto "$run/fleet/broker/server.key" "$b/"
 install -d -o mosquitto -m 0700 "$run/mosquitto-data"
 "$mosquitto_bin" -c "$b/mosquitto.conf" > "$run/logs/mosquitto.txt" 2>&1 &

@@ -2,8 +2,8 @@
 
 One fleet (key mode ``keyserver``, devices ``a``, ``b``, ``c``) is provisioned with its broker bound to a
 free loopback port and its ``config_dir`` pointing at the fleet's own ``broker/`` directory. Every test runs
-twice: ``mosquitto`` runs the generated ``mosquitto.conf`` unchanged (plus ``user root`` when the tests run
-as root, which mosquitto 2 needs to stay root); ``embedded`` runs the coordinator's amqtt broker with the
+twice: ``mosquitto`` runs the generated ``mosquitto.conf`` unchanged (its ``user`` is whoever provisioned,
+so it stays root when the tests run as root); ``embedded`` runs the coordinator's amqtt broker with the
 fleet's broker certificate, CA and CRL and the ACL for the federation and key mode, which must grant
 exactly the same. Every client is a :class:`fedsdk.transport.MqttTransport` with a kit's TLS settings.
 
@@ -96,7 +96,7 @@ def _start(tmp: Path, kind: str) -> FleetBroker:
     run = tmp / f"run-{port}"
     run.mkdir()
     conf = (root / "broker" / "mosquitto.conf").read_text()
-    (run / "mosquitto.conf").write_text(("user root\n" if os.geteuid() == 0 else "") + conf)
+    (run / "mosquitto.conf").write_text(conf)
     proc = MosquittoProcess(binary, run, port, None)
     proc.start()
     return FleetBroker(root, kind, proc)

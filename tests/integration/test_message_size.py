@@ -43,7 +43,11 @@ from fedsdk.transport import (
 )
 from fedsdk_coordinator.mosquitto import LoopbackMosquitto
 from fedsdk_coordinator.provision import Kit, fleet_from_mapping, load_kit, provision
-from fedsdk_coordinator.provision.mosquitto import MOSQUITTO_CONF_TEMPLATE, render_mosquitto_conf
+from fedsdk_coordinator.provision.mosquitto import (
+    MOSQUITTO_CONF_TEMPLATE,
+    render_in_place_conf,
+    render_mosquitto_conf,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,16 +147,13 @@ def running_broker(
         port, conf = fleet.port, provisioned
     else:
         port = free_port()
-        args = {
-            "config_dir": str(files),
-            "persistence_dir": str(fleet.root.parent / "persist"),
-            "bind": "127.0.0.1",
-        }
         # the provisioned file is exactly this rendering with the real limit and the fleet's port
-        assert render_mosquitto_conf(FED, port=fleet.port, **args) == provisioned
-        conf = render_mosquitto_conf(FED, port=port, max_message_bytes=max_message_bytes, **args)
+        assert render_in_place_conf(FED, files, port=fleet.port, bind="127.0.0.1") == provisioned
+        conf = render_in_place_conf(
+            FED, files, port=port, bind="127.0.0.1", max_message_bytes=max_message_bytes
+        )
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "mosquitto.conf").write_text(("user root\n" if os.geteuid() == 0 else "") + conf)
+    (tmp / "mosquitto.conf").write_text(conf)
     proc = MosquittoProcess(binary, tmp, port, None)
     proc.start()
     try:

@@ -148,9 +148,16 @@ def test_layout_and_modes_shared(make_fleet: Callable[..., Path], tmp_path: Path
     kit = {"fedsdk.json", "ca.pem", "client.pem", "client.key", "he/he.json", "he/he_public.bin"}
     expected = {"fleet.json", "ca/ca.pem", "ca/ca.key", "ca/issued.json"}
     expected |= {"he/he.json", "he/he_public.bin", "he/he_secret.bin"}
-    expected |= {
-        f"broker/{n}" for n in ("ca.pem", "server.pem", "server.key", "crl.pem", "mosquitto.conf", "acl")
-    }
+    broker = (
+        "ca.pem",
+        "server.pem",
+        "server.key",
+        "crl.pem",
+        "mosquitto.conf",
+        "mosquitto.system.conf",
+        "acl",
+    )
+    expected |= {f"broker/{n}" for n in broker}
     expected |= {f"coordinator/{n}" for n in kit}
     for d in ("pi-01", "pi-02"):
         expected |= {f"devices/{d}/{n}" for n in (*kit, "he/he_secret.bin")}
@@ -487,7 +494,7 @@ def test_provision_is_all_or_nothing(tmp_path: Path, make_fleet: Callable[..., P
 # ------------------------------------------------------------------------------------------- broker files
 def test_generated_mosquitto_conf_and_acl(make_fleet: Callable[..., Path]) -> None:
     root = make_fleet()
-    conf = (root / "broker" / "mosquitto.conf").read_text()
+    conf = (root / "broker" / "mosquitto.system.conf").read_text()
     lines = set(conf.splitlines())
     for needed in [
         "listener 8883",

@@ -1,18 +1,73 @@
-"""Running a coordinator application from the CLI (shared by ``coordinator`` and ``demo``)."""
+"""Running a coordinator application from the CLI (shared by ``coordinator``, ``demo`` and ``keyserver``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
+import sys
+from collections.abc import Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fedsdk.errors import ConfigError
 
 log = logging.getLogger("fedsdk.cli")
+
+
+T = TypeVar("T")
+
+
+def run_interruptible(main: Callable[[], Coroutine[Any, Any, T]], command: str) -> T:
+    """``asyncio.run(main())`` that SIGINT and SIGTERM interrupt cleanly; the CLI then exits 130.
+
+    The first SIGINT or SIGTERM cancels ``main``: its ``async with`` blocks unwind (aiohttp runner cleanup,
+    broker link closed, process pools shut down, so multiprocessing's resource tracker finds no leaked
+    semaphore), ``asyncio.run`` then cancels what is left and joins its executor, and this raises
+    :class:`KeyboardInterrupt`, which ``fedsdk.cli.main`` turns into exit code 130 (README, "Exit codes").
+    Without this, SIGTERM killed the process (exit 143) with no cleanup at all.
+
+    The handlers are installed with ``loop.add_signal_handler`` whatever the inherited disposition: a
+    script's ``cmd &`` starts the command with SIGINT ignored (a shell without job control does that, and
+    Python keeps an ignored SIGINT ignored), and ``kill -INT`` must still stop it. Once the first signal is
+    taken they are removed, so a second SIGINT or SIGTERM acts at once (Python's KeyboardInterrupt, or the
+    default SIGTERM death) if the clean shutdown hangs.
+    """
+    taken: list[int] = []
+
+    async def guarded() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        sigs = (signal.SIGINT, signal.SIGTERM)
+
+        def interrupt(sig: int) -> None:
+            taken.append(sig)
+            for s in sigs:
+                loop.remove_signal_handler(s)
+            print(f"fedsdk {command}: {signal.Signals(sig).name} received, shutting down", file=sys.stderr)
+            task.cancel()
+
+        for sig in sigs:
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not on Windows' loop
+                loop.add_signal_handler(sig, interrupt, int(sig))
+        try:
+            return await main()
+        finally:
+            for sig in sigs:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(sig)
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if not taken:
+            raise
+        raise KeyboardInterrupt from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

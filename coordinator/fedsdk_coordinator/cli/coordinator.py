@@ -37,9 +37,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsdk.cli._common import add_tls_options, column_names, tls_from_args
+from fedsdk.cli._common import (
+    add_tls_options,
+    check_given_paths,
+    column_names,
+    fill_tls_from_kit,
+    tls_from_args,
+)
 from fedsdk.errors import ConfigError
-from fedsdk_coordinator.cli._coord import check_listen, hostport, import_coordinator, serve
+from fedsdk_coordinator.cli._coord import check_listen, hostport, import_coordinator, run_interruptible, serve
 from fedsdk_coordinator.cli._strategy import add_strategy_options, strategy_kwargs
 
 if TYPE_CHECKING:
@@ -265,7 +271,8 @@ def dev_pki(state_dir: Path, devices: Sequence[str], listen_host: str) -> DevPki
 
 
 def _apply_kit(args: argparse.Namespace) -> None:
-    """Fill the options the command line left open from ``--kit`` (the command line wins)."""
+    """Fill the options the command line left open from ``--kit``: each option given wins for its own item
+    only (``--cert`` replaces the kit's certificate and nothing else)."""
     from fedsdk_coordinator.provision import load_kit
 
     kit = load_kit(args.kit)
@@ -279,8 +286,7 @@ def _apply_kit(args: argparse.Namespace) -> None:
         args.http = kit.http
     if args.he is None:
         args.he = str(kit.he_public_file.parent)
-    if not (args.ca or args.insecure):
-        args.ca, args.cert, args.key = str(kit.ca_file), str(kit.cert_file), str(kit.key_file)
+    fill_tls_from_kit(args, kit)
     if args.key_mode is None:
         args.key_mode = kit.key_mode
 
@@ -289,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
     co = import_coordinator()
 
     _refuse_ignored_broker_options(args)
+    check_given_paths(args, "ca", "cert", "key", "he")
     if args.kit:
         _apply_kit(args)
     args.federation = args.federation or "default"
@@ -396,4 +403,4 @@ def run(args: argparse.Namespace) -> int:
             await asyncio.Event().wait()
             return 0
 
-    return asyncio.run(go())
+    return run_interruptible(go, "coordinator")

@@ -36,6 +36,7 @@ from fedsdk_coordinator.provision.mosquitto import (
     ACL_TEMPLATE,
     MOSQUITTO_CONF_TEMPLATE,
     render_acl,
+    render_in_place_conf,
     render_mosquitto_conf,
 )
 from fedsdk_coordinator.provision.rotate import ReissueReport, RotateHEReport, reissue, rotate_he
@@ -73,6 +74,7 @@ __all__ = [
     "read_he",
     "reissue",
     "render_acl",
+    "render_in_place_conf",
     "render_mosquitto_conf",
     "revoke_device",
     "revoked_serials",

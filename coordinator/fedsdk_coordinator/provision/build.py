@@ -8,7 +8,9 @@ or the key server)::
     ca/issued.json             every certificate issued, and which are revoked (source of crl.pem)
     he/                        the operator's copy of the HE keys: he.json, he_public.bin and, in key mode
                                shared only, he_secret.bin (0600) so add-device can give new devices the key
-    broker/                    ca.pem, server.pem, server.key (0600), crl.pem, mosquitto.conf, acl
+    broker/                    ca.pem, server.pem, server.key (0600), crl.pem, acl, mosquitto.conf (runs
+                               the broker in place: ``mosquitto -c fleet/broker/mosquitto.conf``; its
+                               data in broker/data/), mosquitto.system.conf (to install on a broker host)
     coordinator/               kit (see fedsdk.kit): public HE key only
     keyserver/                 kit, key mode keyserver only: public and secret HE key
     devices/<id>/              kit per device; the secret HE key only in key mode shared; with a device
@@ -48,7 +50,14 @@ from fedsdk_coordinator.provision.crl import build_crl
 from fedsdk_coordinator.provision.fleet import RESERVED_IDS, Fleet, load_fleet
 from fedsdk_coordinator.provision.kit import write_kit
 from fedsdk_coordinator.provision.ledger import Ledger
-from fedsdk_coordinator.provision.mosquitto import render_acl, render_mosquitto_conf
+from fedsdk_coordinator.provision.mosquitto import (
+    IN_PLACE_CONF,
+    IN_PLACE_DATA,
+    SYSTEM_CONF,
+    render_acl,
+    render_in_place_conf,
+    render_mosquitto_conf,
+)
 
 __all__ = [
     "BundleRequest",
@@ -193,7 +202,9 @@ class BundleRequest:
     wheels_from: str | None = None
 
 
-def _build(fleet: Fleet, root: Path, bundle: BundleRequest | None = None) -> None:
+def _build(fleet: Fleet, root: Path, final: Path, bundle: BundleRequest | None = None) -> None:
+    """Write the fleet into ``root``, which is renamed to ``final`` afterwards (the in-place broker
+    configuration names its files under ``final``)."""
     ca = make_ca(f"fedsdk {fleet.federation} CA", days=fleet.ca_days)
     write_public(root / "ca" / "ca.pem", ca.cert_pem)
     write_private(root / "ca" / "ca.key", ca.key_pem)
@@ -214,7 +225,10 @@ def _build(fleet: Fleet, root: Path, bundle: BundleRequest | None = None) -> Non
     conf = render_mosquitto_conf(
         fleet.federation, config_dir=b.config_dir, persistence_dir=b.persistence_dir, port=b.port, bind=b.bind
     )
-    write_public(bdir / "mosquitto.conf", conf.encode())
+    write_public(bdir / SYSTEM_CONF, conf.encode())
+    here = render_in_place_conf(fleet.federation, final / "broker", port=b.port, bind=b.bind)
+    write_public(bdir / IN_PLACE_CONF, here.encode())
+    (bdir / IN_PLACE_DATA).mkdir(mode=0o700)
     _write_broker_acl(root, fleet)
     write_crl(root, ca, ledger)
 
@@ -298,7 +312,7 @@ def provision(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))  # mode 0700
     try:
-        _build(fleet, tmp, bundle)
+        _build(fleet, tmp, target, bundle)
         if target.exists():
             target.rmdir()
         os.replace(tmp, target)

@@ -23,8 +23,10 @@ Decisions:
   embedded broker), so the SANs are ``[coordinator.host]``.
 * Device ids must not collide with the service identities ``coordinator``, ``keyserver`` and ``broker``:
   the ACL names the first two as users, and ``pattern`` lines apply to every certificate CN.
-* ``broker.config_dir`` is where the broker's files will live *on the broker host*; ``mosquitto.conf``
-  names them by absolute path. ``broker.bind`` limits the listener to one address (default: all).
+* ``broker.config_dir`` is where the broker's files will live *on the broker host*, installed for a system
+  service; ``broker/mosquitto.system.conf`` names them by absolute path (and ``broker.persistence_dir``).
+  ``broker/mosquitto.conf`` runs the broker in the fleet folder itself and ignores both
+  (``provision.mosquitto``). ``broker.bind`` limits the listener to one address (default: all).
 """
 
 from __future__ import annotations

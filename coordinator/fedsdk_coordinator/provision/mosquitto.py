@@ -17,6 +17,20 @@ The two templates below are also shipped, byte for byte, as ``certs/mosquitto.co
   and the coordinator hold messages of hundreds of megabytes). ``message_size_limit`` would drop such a
   message only after reading all of it, and acknowledge it to an MQTT 3.1.1 client as if delivered.
 
+Two configurations from the one template, both in the fleet's ``broker/`` folder:
+
+* ``mosquitto.conf`` runs the broker *in place*, as the README does (``mosquitto -c
+  fleet/broker/mosquitto.conf``): it names the files of that folder by absolute path (mosquitto resolves a
+  relative path against its working directory, not the configuration's) and keeps its data in
+  ``broker/data/``. The fleet folder is 0700 and ``server.key`` 0600, owned by the user who provisioned
+  them, and mosquitto 2 started as root switches to ``user`` (default ``mosquitto``) *before* it reads the
+  ACL, the CRL and its data, so the in-place file says ``user <the provisioning user>``: started by that
+  user it changes nothing (mosquitto switches only when started as root), started by root it runs as the
+  owner of the files, ``root`` itself when root provisioned. No file is loosened for another account.
+* ``mosquitto.system.conf`` is for a system service on a broker host: the same settings with the files in
+  ``broker.config_dir`` (``/etc/mosquitto/fedsdk``), data in ``broker.persistence_dir`` and ``user
+  mosquitto``; its header holds the ``install`` commands (``server.key`` 0600 owned by ``mosquitto``).
+
 Decisions beyond the brief (DESIGN.md, "Transport"):
 
 * In key mode ``keyserver`` the coordinator may also *write* ``fl/<fed>/keyserver/#``: it has to hand the
@@ -34,25 +48,37 @@ Decisions beyond the brief (DESIGN.md, "Transport"):
 from __future__ import annotations
 
 import os
+import pwd
 from string import Template
 
 from fedsdk._chunking import MAX_MESSAGE_BYTES, max_packet_bytes
 from fedsdk.errors import ConfigError
 from fedsdk.protocol.topics import validate_config_id
 
-__all__ = ["ACL_TEMPLATE", "MOSQUITTO_CONF_TEMPLATE", "render_acl", "render_mosquitto_conf"]
+__all__ = [
+    "ACL_TEMPLATE",
+    "IN_PLACE_CONF",
+    "IN_PLACE_DATA",
+    "MOSQUITTO_CONF_TEMPLATE",
+    "SYSTEM_CONF",
+    "current_user",
+    "render_acl",
+    "render_in_place_conf",
+    "render_mosquitto_conf",
+]
 
 MOSQUITTO_CONF_TEMPLATE = """\
 # mosquitto 2.x configuration for the fedsdk federation "${FEDERATION}", written by `fedsdk provision`.
 #
-# Install on the broker host (certs/README.md explains each step):
-#   install -d -m 0755 ${CONFIG_DIR}
-#   install -m 0644 ca.pem server.pem crl.pem acl mosquitto.conf ${CONFIG_DIR}/
-#   install -m 0600 -o mosquitto server.key ${CONFIG_DIR}/
-#   mosquitto -c ${CONFIG_DIR}/mosquitto.conf
+${USAGE}
 #
 # Clients authenticate with a certificate signed by the fleet CA and nothing else: the certificate's CN
 # becomes the MQTT username that the ACL checks. No passwords, no anonymous access.
+
+# Started as root, mosquitto switches to this user (and its group) before it reads the ACL, the CRL and
+# the persistence file, so this user must be able to read every file below; started as any other user it
+# runs as that user and this line has no effect.
+user ${USER}
 
 per_listener_settings false
 allow_anonymous false
@@ -65,7 +91,7 @@ autosave_interval 60
 
 # fedsdk keeps at most 20 chunks in flight per client. The queue is per receiving client: the coordinator
 # receives every device's hello at once, and at mosquitto's default of 1000 a fleet of ~1000 devices joining
-# together lost hellos (measured, docs/load.md), so it is raised.
+# together lost hellos (measured, docs/results/load.md), so it is raised.
 max_inflight_messages 20
 max_queued_messages 100000
 
@@ -137,11 +163,70 @@ topic write fl/${FEDERATION}/cluster/#
 
 _OPEN, _CLOSE = "#[keyserver]", "#[/keyserver]"
 
+#: The two configurations in a fleet's ``broker/`` folder (see the module docstring).
+IN_PLACE_CONF, SYSTEM_CONF = "mosquitto.conf", "mosquitto.system.conf"
+#: The in-place broker's persistence folder, inside ``broker/``.
+IN_PLACE_DATA = "data"
+
+_SYSTEM_USAGE = """\
+# For the broker host's system service. Install it there as root, from a copy of the fleet's broker/
+# folder (certs/README.md explains each step):
+#   install -d -m 0755 ${CONFIG_DIR}
+#   install -m 0644 ca.pem server.pem crl.pem acl ${CONFIG_DIR}/
+#   install -m 0644 mosquitto.system.conf ${CONFIG_DIR}/mosquitto.conf
+#   install -m 0600 -o ${USER} server.key ${CONFIG_DIR}/
+#   install -d -m 0700 -o ${USER} ${PERSISTENCE_DIR}
+#   mosquitto -c ${CONFIG_DIR}/mosquitto.conf        (or point the service's -c at it)"""
+
+_IN_PLACE_USAGE = """\
+# Runs the broker from the fleet folder `fedsdk provision` wrote, as the operator, from any directory:
+#   mosquitto -c ${CONFIG_DIR}/mosquitto.conf
+# Every file is named by its absolute path in that folder: after moving the fleet folder, provision again
+# or edit the paths. The fleet folder is private (0700) and server.key 0600, owned by the user who
+# provisioned them, named in `user` below: start mosquitto as that user, or as root (mosquitto started as
+# root switches to `user` before it reads the files). For a broker host's system service install
+# mosquitto.system.conf instead (its header says how)."""
+
 
 def _plain_path(value: str, what: str) -> str:
     if not value.startswith("/") or any(c.isspace() for c in value):
         raise ConfigError(f"{what} must be an absolute path without spaces, got {value!r}")
     return value
+
+
+def _check_port(port: int, max_message_bytes: int) -> None:
+    if isinstance(port, bool) or not 0 < int(port) < 65536:
+        raise ConfigError(f"broker port must be in 1..65535, got {port!r}")
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+        raise ConfigError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
+
+
+def _render(
+    federation: str,
+    *,
+    usage: str,
+    conf_dir: str,
+    persist: str,
+    user: str,
+    port: int,
+    bind: str | None,
+    max_message_bytes: int,
+) -> str:
+    if not persist.endswith("/"):
+        persist += "/"  # mosquitto appends the file name to persistence_location as is
+    if not user or any(c.isspace() for c in user):
+        raise ConfigError(f"the broker's user must be a user name without spaces, got {user!r}")
+    values = {
+        "FEDERATION": validate_config_id(federation, "federation"),
+        "CONFIG_DIR": conf_dir,
+        "PERSISTENCE_DIR": persist,
+        "USER": user,
+        "PORT": str(int(port)),
+        "BIND": f" {bind}" if bind else "",
+        "MAX_MESSAGE_BYTES": str(max_message_bytes),
+        "MAX_PACKET_SIZE": str(max_packet_bytes(max_message_bytes)),
+    }
+    return Template(MOSQUITTO_CONF_TEMPLATE).substitute(values, USAGE=Template(usage).substitute(values))
 
 
 def render_mosquitto_conf(
@@ -152,28 +237,65 @@ def render_mosquitto_conf(
     port: int = 8883,
     bind: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    user: str = "mosquitto",
 ) -> str:
-    """``mosquitto.conf`` whose TLS files and ACL live in ``config_dir`` on the broker host.
+    """``mosquitto.system.conf``: for a system service whose TLS files and ACL are installed in
+    ``config_dir`` on the broker host, run as ``user`` (mosquitto's own default, ``mosquitto``).
 
     ``max_message_bytes`` is the coordinator's largest accepted message; ``max_packet_size`` is derived
     from it (:func:`fedsdk._chunking.max_packet_bytes`).
     """
-    if isinstance(port, bool) or not 0 < int(port) < 65536:
-        raise ConfigError(f"broker port must be in 1..65535, got {port!r}")
-    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
-        raise ConfigError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
-    conf_dir = _plain_path(os.fspath(config_dir), "broker config_dir").rstrip("/") or ""
-    persist = _plain_path(os.fspath(persistence_dir), "broker persistence_dir")
-    if not persist.endswith("/"):
-        persist += "/"  # mosquitto appends the file name to persistence_location as is
-    return Template(MOSQUITTO_CONF_TEMPLATE).substitute(
-        FEDERATION=validate_config_id(federation, "federation"),
-        CONFIG_DIR=conf_dir,
-        PERSISTENCE_DIR=persist,
-        PORT=str(int(port)),
-        BIND=f" {bind}" if bind else "",
-        MAX_MESSAGE_BYTES=str(max_message_bytes),
-        MAX_PACKET_SIZE=str(max_packet_bytes(max_message_bytes)),
+    _check_port(port, max_message_bytes)
+    return _render(
+        federation,
+        usage=_SYSTEM_USAGE,
+        conf_dir=_plain_path(os.fspath(config_dir), "broker config_dir").rstrip("/") or "",
+        persist=_plain_path(os.fspath(persistence_dir), "broker persistence_dir"),
+        user=user,
+        port=port,
+        bind=bind,
+        max_message_bytes=max_message_bytes,
+    )
+
+
+def current_user() -> str:
+    """The name of the user this process runs as; ``mosquitto`` when it has none (a bare container uid)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return "mosquitto"
+
+
+def render_in_place_conf(
+    federation: str,
+    broker_dir: str | os.PathLike[str],
+    *,
+    port: int = 8883,
+    bind: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    user: str | None = None,
+) -> str:
+    """``mosquitto.conf`` of a fleet's ``broker/`` folder: the broker run where ``fedsdk provision`` wrote
+    it (``broker_dir``, absolute), keeping its data in ``broker_dir/data/``, as ``user`` when started as root
+    (default: the user running this, who owns the files provision writes)."""
+    _check_port(port, max_message_bytes)
+    path = os.fspath(broker_dir)
+    if not path.startswith("/") or path != path.strip() or any(c in path for c in "\r\n"):
+        # mosquitto takes a value to the end of its line and strips the blanks around it
+        raise ConfigError(
+            f"the fleet folder must be an absolute path without line breaks or surrounding blanks, got "
+            f"{path!r}: choose another --out"
+        )
+    path = path.rstrip("/")
+    return _render(
+        federation,
+        usage=_IN_PLACE_USAGE,
+        conf_dir=path,
+        persist=f"{path}/{IN_PLACE_DATA}/",
+        user=user or current_user(),
+        port=port,
+        bind=bind,
+        max_message_bytes=max_message_bytes,
     )
 
 
