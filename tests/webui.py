@@ -6,6 +6,9 @@ client that publishes what no fedsdk device would.
   profile and nothing that calls home; :func:`require_chromium` skips a test without them (fails under
   ``CI``, where ``scripts/test.sh`` installs them).
 * :func:`raw_publish` publishes bytes on a topic with paho, outside any fedsdk framing.
+* :func:`block_urls` makes the browser fail every request to URLs matching patterns (DevTools' network
+  blocking), as an unreachable endpoint would.
+* :class:`Page` reads the page (or a frame's document) from the test's event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-__all__ = ["CHROMEDRIVER", "CHROMIUM", "FLAGS", "raw_publish", "require_chromium", "start_chromium"]
+__all__ = [
+    "CHROMEDRIVER",
+    "CHROMIUM",
+    "FLAGS",
+    "Page",
+    "block_urls",
+    "raw_publish",
+    "require_chromium",
+    "start_chromium",
+]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -80,23 +92,40 @@ async def raw_publish(host: str, port: int, topic: str, payload: bytes) -> None:
         raw.loop_stop()
 
 
-class Page:
-    """The browser's one page; every WebDriver call runs in a thread, so the coordinator keeps serving."""
+async def block_urls(driver: Any, *patterns: str) -> None:
+    """Fail every request whose URL matches one of ``patterns`` (``*`` wildcards); none: block nothing."""
+    await asyncio.to_thread(driver.execute_cdp_cmd, "Network.enable", {})
+    await asyncio.to_thread(driver.execute_cdp_cmd, "Network.setBlockedURLs", {"urls": list(patterns)})
 
-    def __init__(self, driver: Any) -> None:
+
+class Page:
+    """The browser's one page, or with ``root`` (a JavaScript expression for a document, e.g. a frame's
+    ``contentDocument``) that document; every WebDriver call runs in a thread, so the coordinator keeps
+    serving."""
+
+    def __init__(self, driver: Any, root: str = "document") -> None:
         self.driver = driver
+        self.root = root
 
     async def run(self, script: str) -> Any:
         return await asyncio.to_thread(self.driver.execute_script, script)
 
     async def text(self, selector: str) -> str | None:
         got: str | None = await self.run(
-            f"const n = document.querySelector({selector!r}); return n === null ? null : n.textContent;"
+            f"const n = {self.root}.querySelector({selector!r}); return n === null ? null : n.textContent;"
+        )
+        return got
+
+    async def texts(self, selector: str, attribute: str | None = None) -> list[str]:
+        """The text (or ``attribute``) of every element ``selector`` matches, in document order."""
+        what = "n.textContent" if attribute is None else f"n.getAttribute({attribute!r})"
+        got: list[str] = await self.run(
+            f"return [...{self.root}.querySelectorAll({selector!r})].map((n) => {what});"
         )
         return got
 
     async def count(self, selector: str) -> int:
-        n: int = await self.run(f"return document.querySelectorAll({selector!r}).length;")
+        n: int = await self.run(f"return {self.root}.querySelectorAll({selector!r}).length;")
         return n
 
     async def until(self, what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -107,6 +136,6 @@ class Page:
             if got:
                 return got
             if time.monotonic() > deadline:
-                body = await self.run("return document.body.innerText;")
+                body = await self.run(f"return {self.root}.body.innerText;")
                 raise AssertionError(f"the page never showed {what}; it shows:\n{body}")
             await asyncio.sleep(0.1)

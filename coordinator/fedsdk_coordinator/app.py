@@ -26,6 +26,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -44,7 +45,7 @@ from fedsdk_coordinator.broker import EmbeddedBroker, EmbeddedBrokerConfig
 from fedsdk_coordinator.evaluation import by_cluster
 from fedsdk_coordinator.metrics import FederationCollector
 from fedsdk_coordinator.models.source import ModelSource, load_model
-from fedsdk_coordinator.rest import add_routes
+from fedsdk_coordinator.rest import add_routes, clusters_view
 from fedsdk_coordinator.rounds import RoundConfig, RoundEngine
 from fedsdk_coordinator.store import Store
 
@@ -278,7 +279,11 @@ async def _evaluation(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    return web.json_response(_health_body(request.app))
+
+
+def _health_body(app: web.Application) -> dict[str, Any]:
+    engine = app[ENGINE]
     body = engine.health()
     # ``round`` counts rounds completed by every cluster; the round in progress (a cluster may be done
     # with it while another still trains) and the phase say where the federation is now.
@@ -286,9 +291,9 @@ async def _health(request: web.Request) -> web.Response:
     body["current_round"] = max([r.round_id for r in engine.open_rounds.values()], default=0)
     body["current_round"] = max(body["current_round"], engine.completed_round)
     body["phase"] = _phase(engine)
-    body["transport"] = request.app[TRANSPORT].stats
-    body["rejected_frames"] = request.app[TRANSPORT].frame_rejections
-    return web.json_response(body)
+    body["transport"] = app[TRANSPORT].stats
+    body["rejected_frames"] = app[TRANSPORT].frame_rejections
+    return body
 
 
 def _phase(engine: RoundEngine) -> str:
@@ -301,7 +306,11 @@ def _phase(engine: RoundEngine) -> str:
 
 
 async def _clients(request: web.Request) -> web.Response:
-    return web.json_response([asdict(c) for c in request.app[STORE].clients()])
+    return web.json_response(_clients_body(request.app[STORE]))
+
+
+def _clients_body(store: Store) -> list[dict[str, Any]]:
+    return [asdict(c) for c in store.clients()]
 
 
 async def _rounds(request: web.Request) -> web.Response:
@@ -311,7 +320,10 @@ async def _rounds(request: web.Request) -> web.Response:
         since = int(request.query.get("since", "0"))
     except ValueError:
         raise web.HTTPBadRequest(text="since is a round number") from None
-    store = request.app[STORE]
+    return web.json_response(_rounds_body(request.app[STORE], since))
+
+
+def _rounds_body(store: Store, since: int = 0) -> list[dict[str, Any]]:
     out = []
     for r in store.rounds():
         if r.round_id < since:
@@ -319,7 +331,19 @@ async def _rounds(request: web.Request) -> web.Response:
         d = asdict(r)
         d["results"] = store.results(r.round_id, r.cluster_id)
         out.append(d)
-    return web.json_response(out)
+    return out
+
+
+def _page_state(app: web.Application) -> dict[str, Any]:
+    """What the dashboard page is served with: the federation's name and the answers of ``/api/health``,
+    ``/api/clients``, ``/api/clusters`` and ``/api/rounds`` at this moment."""
+    return {
+        "federation": app[CONFIG].rounds.federation,
+        "health": _health_body(app),
+        "clients": _clients_body(app[STORE]),
+        "clusters": clusters_view(app[ENGINE], app[STORE]),
+        "rounds": _rounds_body(app[STORE]),
+    }
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -343,5 +367,6 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     app.router.add_get("/api/evaluation", _evaluation)
     app.router.add_get("/api/clusters/{cluster}/model.onnx", _cluster_model)
     app.router.add_get("/metrics", _metrics)
-    add_routes(app, engine=lambda a: a[ENGINE], store=lambda a: a[STORE])  # /api/clusters, the dashboard
+    # /api/clusters, the dashboard
+    add_routes(app, engine=lambda a: a[ENGINE], store=lambda a: a[STORE], state=_page_state)
     return app

@@ -5,7 +5,9 @@
   silhouettes, and for a split refused as too weak the best split's silhouette);
 * ``/api/openapi.json``: the OpenAPI 3 description of the whole REST API (``openapi.json`` in this package);
 * ``/``, ``/dashboard.js``, ``/dashboard.css``: the live dashboard (``dashboard/`` in this package: static
-  files, no build step, no network but this coordinator's REST API).
+  files, no build step, no network but this coordinator's REST API). The page is served with the API's
+  answers of that moment written into it as a JSON data block (:func:`page_with_state`), so that its first
+  paint shows the federation rather than waiting for its first poll.
 
 The handlers read the engine and the store; they change nothing. :func:`add_routes` registers them on the
 coordinator's application (:func:`fedsdk_coordinator.app.create_app`).
@@ -14,7 +16,9 @@ coordinator's application (:func:`fedsdk_coordinator.app.create_app`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -25,7 +29,9 @@ from fedsdk_coordinator.evaluation import METRICS
 from fedsdk_coordinator.rounds import RoundEngine
 from fedsdk_coordinator.store import Store
 
-__all__ = ["add_routes", "clusters_view", "openapi_document"]
+__all__ = ["add_routes", "clusters_view", "openapi_document", "page_with_state"]
+
+log = logging.getLogger(__name__)
 
 # Why a clustered federation has one cluster (``Clustering.fallback``), in words.
 FALLBACKS = {
@@ -40,6 +46,8 @@ ASSETS = {  # served path -> (file in dashboard/, content type)
     "/dashboard.js": ("dashboard.js", "text/javascript"),
     "/dashboard.css": ("dashboard.css", "text/css"),
 }
+# The page's data block, empty in the file; filled when the page is served.
+STATE_BLOCK = '<script type="application/json" id="initial-state"></script>'
 
 
 def _package_text(*parts: str) -> str:
@@ -114,6 +122,17 @@ def clusters_view(engine: RoundEngine, store: Store) -> dict[str, Any]:
     return {"clustered": bool(engine.clustered), "decision": decision, "clusters": clusters}
 
 
+def page_with_state(page: str, state: Mapping[str, Any]) -> str:
+    """``page`` (index.html) with ``state`` as JSON in its data block (never run: not a script type). ``<``,
+    ``>`` and ``&`` are written as JSON escapes, so no value (device ids and reasons are chosen by devices)
+    can end the block or open markup."""
+    if page.count(STATE_BLOCK) != 1:
+        raise ValueError(f"the dashboard page must hold exactly one {STATE_BLOCK}")
+    body = json.dumps(state, separators=(",", ":"))
+    body = body.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return page.replace(STATE_BLOCK, STATE_BLOCK.replace("></", f">{body}</"))
+
+
 def _metric(metrics: Any) -> dict[str, Any]:
     """The federated metric of a finished round: name and value (``device_<metric>``), or nothing."""
     for name in METRICS:
@@ -134,9 +153,11 @@ def add_routes(
     app: web.Application,
     engine: Callable[[web.Application], RoundEngine],
     store: Callable[[web.Application], Store],
+    state: Callable[[web.Application], dict[str, Any]] | None = None,
 ) -> None:
     """Register ``/api/clusters``, ``/api/openapi.json`` and the dashboard's files; ``engine(app)`` and
-    ``store(app)`` give the running engine and store."""
+    ``store(app)`` give the running engine and store, ``state(app)`` the API's answers the page is served
+    with (``federation``, ``health``, ``clients``, ``clusters``, ``rounds``)."""
 
     async def clusters(request: web.Request) -> web.Response:
         return web.json_response(clusters_view(engine(request.app), store(request.app)))
@@ -149,8 +170,14 @@ def add_routes(
 
         async def serve(request: web.Request) -> web.Response:
             # The dashboard draws from the REST API on this origin only and never runs inline script.
+            body = text
+            if name == "index.html" and state is not None:
+                try:
+                    body = page_with_state(text, {**state(request.app), "at": time.time()})
+                except Exception:  # the page still loads, and draws once its first poll is answered
+                    log.exception("the dashboard is served without its initial state")
             return web.Response(
-                text=text,
+                text=body,
                 content_type=content_type,
                 headers={
                     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:",

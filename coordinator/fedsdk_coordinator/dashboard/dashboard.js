@@ -1,25 +1,51 @@
-// The coordinator's live dashboard: polls the REST API (same origin) and redraws; no library, no network
-// beyond this coordinator. Every value from the API is written with textContent or as an SVG attribute, never
-// parsed as HTML (device ids and reasons are chosen by devices). It shows no model values.
+// The coordinator's live dashboard: draws the state the coordinator wrote into the page at once, then polls
+// the REST API (same origin) and redraws; no library, no network beyond this coordinator. Every value from the
+// API is written with textContent or as an SVG attribute, never parsed as HTML (device ids and reasons are
+// chosen by devices). It shows no model values.
 "use strict";
 
 const POLL_MS = 1500;
 const SVG = "http://www.w3.org/2000/svg";
 const METRICS = ["accuracy", "mae", "label_accuracy"];
-// A round's time, by step: device means of these result metrics, and the coordinator's aggregation.
-const STEPS = [
-  ["train", ["train_s"]],
-  ["protect", ["sensitivity_s", "mask_s", "encode_s", "encrypt_s", "self_audit_s"]],
-  ["upload", ["upload_s"]],
-  ["aggregate", null],
-  ["decrypt", ["decrypt_s"]],
+// What the page asks the API for, each time it polls.
+const SOURCES = [
+  ["health", () => "/api/health"],
+  ["clients", () => "/api/clients"],
+  ["clusters", () => "/api/clusters"],
+  ["rounds", () => `/api/rounds?since=${since()}`],
+];
+// The device's protection steps (seconds in its update's metrics), as the engine counts them (engine/timing.py).
+const PROTECT = ["sensitivity_s", "mask_s", "encode_s", "encrypt_s", "self_audit_s", "leak_drop_s", "mask_vector_s", "mask_encode_s"];
+// Where a round's time went, in the order drawn: [part, legend label, what it is]. The coordinator records
+// each part as the round's time_<part>_s (engine/timing.py); they add up to its round_s.
+const PARTS = [
+  ["train", "train", "local training (mean over the devices that sent an update)"],
+  ["protect", "protect", "sensitivity, mask, encoding, encryption, self-audit (device mean)"],
+  ["upload", "upload", "publishing the update (device mean)"],
+  ["trips", "message trips", "task, update, aggregate and report through the broker, with the device's untimed work around them (reading the task, serialising, merging and evaluating the model); device mean"],
+  ["slowest", "waiting for the slowest device", "the last update's arrival after the mean device's, and the same for the reports"],
+  ["missing", "waiting for absent devices", "from the last update to the end of the collection (deadline, or a failure or decline arriving last), and from the last report to the end of the report wait"],
+  ["unmask", "unmask", "secure aggregation: waiting for the devices' unmask shares"],
+  ["aggregate", "aggregate", "the coordinator sums, stores and publishes the aggregate"],
+  ["decrypt", "decrypt", "decrypting the aggregate (device mean)"],
+  ["shares", "waiting for decryption shares", "cooperative decryption: waiting for the peers' shares (device mean)"],
+  ["personalise", "personalise", "fine-tuning the device's personal model (device mean)"],
+  ["unattributed", "unattributed", "the coordinator's closing bookkeeping; in a round recorded without a breakdown (resumed after a restart, or by an older coordinator): all but the devices' timed steps and the aggregation"],
 ];
 const COLORS = {
-  train: "#2563eb", protect: "#9333ea", upload: "#0891b2", aggregate: "#d97706", decrypt: "#16a34a",
-  other: "#cbd5e1",
+  train: "#2563eb", protect: "#9333ea", upload: "#0891b2", trips: "#64748b", slowest: "#f472b6",
+  missing: "#b91c1c", unmask: "#a16207", aggregate: "#d97706", decrypt: "#16a34a", shares: "#facc15",
+  personalise: "#84cc16", unattributed: "#cbd5e1", federated: "#2563eb", personal: "#16a34a",
+};
+
+// The plot's lines: the federated figure (or the coordinator's own), and the devices' personal models.
+const LINES = {
+  federated: { stroke: COLORS.federated, "stroke-width": 2 },
+  personal: { stroke: COLORS.personal, "stroke-width": 2, "stroke-dasharray": "5 3" },
 };
 
 const rounds = new Map(); // "round:cluster" -> round record with results
+const known = { health: null, clients: null, clusters: null }; // the latest answers
 
 // -- DOM helpers: text only ------------------------------------------------------------------------------
 function el(tag, props, ...children) {
@@ -88,17 +114,43 @@ function since() {
   return Math.min(open, last);
 }
 
+function absorb(part, body) {
+  if (part === "rounds") for (const r of body) rounds.set(`${r.round_id}:${r.cluster_id}`, r);
+  else known[part] = body;
+}
+
+function initialState() {
+  // the state the coordinator wrote into the page when it served it (the API's answers at that moment)
+  const node = document.getElementById("initial-state");
+  if (node === null || !node.textContent.trim()) return null;
+  try {
+    return JSON.parse(node.textContent);
+  } catch (err) {
+    return null;
+  }
+}
+
 async function poll() {
   const link = document.getElementById("link");
+  // while nothing is known, each answer is drawn as soon as it arrives, and the line names what is awaited
+  const first = known.health === null;
+  const waiting = new Set();
+  const asks = SOURCES.map(([part, path]) => {
+    const url = path();
+    waiting.add(url);
+    return getJSON(url).then((body) => {
+      absorb(part, body);
+      waiting.delete(url);
+      if (first) {
+        draw();
+        link.textContent = waiting.size ? `waiting for ${[...waiting].join(", ")}` : "";
+      }
+    });
+  });
+  if (first) link.textContent = `connecting: waiting for ${[...waiting].join(", ")}`;
   try {
-    const [health, clients, clusters, fresh] = await Promise.all([
-      getJSON("/api/health"),
-      getJSON("/api/clients"),
-      getJSON("/api/clusters"),
-      getJSON(`/api/rounds?since=${since()}`),
-    ]);
-    for (const r of fresh) rounds.set(`${r.round_id}:${r.cluster_id}`, r);
-    render(health, clients, clusters);
+    await Promise.all(asks);
+    if (!first) draw();
     link.textContent = `updated ${new Date().toLocaleTimeString()}`;
     link.className = "link";
   } catch (err) {
@@ -126,15 +178,21 @@ function evaluation(r) {
 }
 
 function timeSplit(r) {
-  const updates = r.results.filter((x) => x.status === "update");
+  // the parts the coordinator recorded; for a round recorded without them, the devices' timed steps (means
+  // over the updates), the aggregation, and the rest unattributed
   const split = {};
-  let known = 0;
-  for (const [step, keys] of STEPS) {
-    const v = keys === null ? r.metrics.aggregate_s : mean(updates.map((x) => sum(x.metrics, keys)));
-    split[step] = typeof v === "number" ? v : 0;
-    known += split[step];
+  if (typeof r.metrics.time_unattributed_s === "number") {
+    for (const [part] of PARTS) split[part] = Math.max(0, r.metrics[`time_${part}_s`] || 0);
+    return split;
   }
-  split.other = Math.max(0, (r.metrics.round_s || 0) - known);
+  const updates = r.results.filter((x) => x.status === "update");
+  const device = (keys) => mean(updates.map((x) => sum(x.metrics, keys))) || 0;
+  Object.assign(split, {
+    train: device(["train_s"]), protect: device(PROTECT), upload: device(["upload_s"]), decrypt: device(["decrypt_s"]),
+    aggregate: r.metrics.aggregate_s || 0,
+  });
+  const timed = Object.values(split).reduce((a, b) => a + b, 0);
+  split.unattributed = Math.max(0, (r.metrics.round_s || 0) - timed);
   return split;
 }
 
@@ -198,19 +256,19 @@ function plot(series, planned) {
   root.append(svg("text", { x: W - R, y: H - 1, "text-anchor": "end" }, "round"));
   if (points.length > 1) {
     const line = points.map((p) => `${x(p.round).toFixed(1)},${y(p.eval.value).toFixed(1)}`).join(" ");
-    root.append(svg("polyline", { points: line, fill: "none", stroke: "#2563eb", "stroke-width": 2 }));
+    root.append(svg("polyline", { points: line, fill: "none", "data-series": "federated", ...LINES.federated }));
   }
   if (personal.length > 1) {
     const line = personal.map((p) => `${x(p.round).toFixed(1)},${y(p.eval.personal).toFixed(1)}`).join(" ");
-    root.append(svg("polyline", { points: line, fill: "none", stroke: "#16a34a", "stroke-width": 2, "stroke-dasharray": "5 3" }));
+    root.append(svg("polyline", { points: line, fill: "none", "data-series": "personal", ...LINES.personal }));
   }
   for (const p of personal) {
-    const dot = svg("circle", { cx: x(p.round), cy: y(p.eval.personal), r: 3, fill: "#16a34a", class: "personal-point" });
+    const dot = svg("circle", { cx: x(p.round), cy: y(p.eval.personal), r: 3, fill: COLORS.personal, class: "personal-point", "data-series": "personal" });
     dot.append(svg("title", {}, `round ${p.round}: personal ${name} ${fixed(p.eval.personal, 4)}`));
     root.append(dot);
   }
   for (const p of points) {
-    const dot = svg("circle", { cx: x(p.round), cy: y(p.eval.value), r: 3.5, fill: "#2563eb", class: "point" });
+    const dot = svg("circle", { cx: x(p.round), cy: y(p.eval.value), r: 3.5, fill: COLORS.federated, class: "point", "data-series": "federated" });
     dot.append(svg("title", {}, `round ${p.round}: ${name} ${fixed(p.eval.value, 4)}`));
     root.append(dot);
   }
@@ -226,6 +284,25 @@ function plot(series, planned) {
   return root;
 }
 
+function plotLegend(series) {
+  // one entry per series the plot draws, with its line's stroke
+  const points = series.filter((p) => p.eval !== null);
+  const box = el("div", { class: "legend plot-legend" });
+  if (!points.length) return box;
+  const name = points[0].eval.name.replace("_", " ");
+  const own = points.some((p) => p.eval.own);
+  const entries = [["federated", own ? `coordinator's ${name} (its evaluation data)` : `federated ${name} (devices' held-out data, weighted by samples)`]];
+  if (points.some((p) => typeof p.eval.personal === "number")) {
+    entries.push(["personal", `personal models' ${name} (each device's own model, same held-out data)`]);
+  }
+  for (const [series, label] of entries) {
+    const swatch = svg("svg", { width: 22, height: 10, class: "swatch-line" });
+    swatch.append(svg("line", { x1: 1, x2: 21, y1: 5, y2: 5, ...LINES[series] }));
+    box.append(el("span", { "data-series": series }, swatch, label));
+  }
+  return box;
+}
+
 function bars(series) {
   // each finished round: its time split into steps, as shares of the round's whole (the first round also
   // starts the coordinator's workers, which would flatten every other bar), and its seconds
@@ -237,13 +314,16 @@ function bars(series) {
     const split = timeSplit(r);
     const whole = Math.max(1e-9, Object.values(split).reduce((a, b) => a + b, 0));
     const top = 3 + i * row;
-    root.append(svg("text", { x: L - 6, y: top + 10, "text-anchor": "end" }, `r${r.round_id}`));
+    const name = svg("text", { x: L - 6, y: top + 10, "text-anchor": "end" }, `r${r.round_id}`);
+    const every = PARTS.filter(([p]) => split[p] > 0).map(([p, label]) => `${label} ${fixed(split[p], 3)} s`);
+    name.append(svg("title", {}, `round ${r.round_id}: ${every.join(", ")}`));
+    root.append(name);
     let left = L;
-    for (const step of [...STEPS.map(([s]) => s), "other"]) {
-      const w = ((W - L - R) * split[step]) / whole;
-      if (w <= 0) continue;
-      const rect = svg("rect", { x: left, y: top, width: Math.max(w, 0.5), height: row - 3, fill: COLORS[step] });
-      rect.append(svg("title", {}, `round ${r.round_id} ${step}: ${fixed(split[step], 3)} s`));
+    for (const [part, label] of PARTS) {
+      if (!visible(split, part, whole)) continue;
+      const w = ((W - L - R) * split[part]) / whole;
+      const rect = svg("rect", { x: left, y: top, width: Math.max(w, 0.5), height: row - 3, fill: COLORS[part], "data-part": part });
+      rect.append(svg("title", {}, `round ${r.round_id}, ${label}: ${fixed(split[part], 3)} s (${pct(split[part] / whole)})`));
       root.append(rect);
       left += w;
     }
@@ -252,10 +332,25 @@ function bars(series) {
   return root;
 }
 
-function legend() {
-  const box = el("div", { class: "legend" });
-  for (const step of [...STEPS.map(([s]) => s), "other"]) {
-    box.append(el("span", {}, el("span", { class: `swatch sw-${step}` }), step === "other" ? "waiting / other" : step));
+function visible(split, part, whole) {
+  // a part is drawn when it is at least half a percent of its round (every part is in the round's tooltip)
+  const v = split[part] || 0;
+  return v > 0 && v >= 0.005 * whole;
+}
+
+function barLegend(series) {
+  // the parts drawn in any of the bars, each with what it is as its tooltip
+  const shown = new Set();
+  for (const r of series.filter((x) => x.state === "done")) {
+    const split = timeSplit(r);
+    const whole = Object.values(split).reduce((a, b) => a + b, 0);
+    for (const [part] of PARTS) if (visible(split, part, whole)) shown.add(part);
+  }
+  const box = el("div", { class: "legend bar-legend" });
+  for (const [part, label, what] of PARTS.filter(([p]) => shown.has(p))) {
+    const swatch = svg("svg", { width: 10, height: 10, class: "swatch" });
+    swatch.append(svg("rect", { width: 10, height: 10, rx: 2, fill: COLORS[part] }));
+    box.append(el("span", { "data-part": part, title: what }, swatch, label));
   }
   return box;
 }
@@ -275,8 +370,9 @@ function renderClusters(health, clusters) {
     const clear = last ? `, last round ${pct(1 - (last.metrics.encrypted_ratio ?? 0))} of each update in the clear` : "";
     card.append(el("div", { class: "sub", text: `${info.members.length} devices (${info.online} online)${exemplar}${clear}` }));
     card.append(plot(series, health.rounds_planned));
+    card.append(plotLegend(series));
     card.append(bars(grouped.get(k) || []));
-    card.append(legend());
+    card.append(barLegend(grouped.get(k) || []));
     cards.push(card);
   }
   if (!cards.length) cards.push(el("p", { class: "note", text: "no cluster yet: rounds start when enough devices have joined" }));
@@ -354,7 +450,7 @@ function renderDevices(clients) {
       cell(pct(m.encrypted_ratio), "num"),
       cell(pct(m.covered_sensitivity), "num"),
       cell(fixed(m.train_s, 3), "num"),
-      cell(fixed(sum(m, STEPS[1][1]), 3), "num"),
+      cell(fixed(sum(m, PROTECT), 3), "num"),
       cell(fixed(m.upload_s, 3), "num"),
       cell(fixed(m.decrypt_s, 3), "num"),
       cell(Object.entries(f).map(([k, v]) => `${k}×${v}`).join(", "), "bad"),
@@ -427,13 +523,33 @@ function renderHeader(health) {
   document.getElementById("detail").textContent = health.detail || "";
 }
 
-function render(health, clients, clusters) {
-  renderHeader(health);
-  renderClusters(health, clusters);
-  renderDecision(clusters);
-  renderDevices(clients);
-  renderProtection(health, clients);
-  renderRejected(health);
+function draw() {
+  // what the answers known so far allow
+  const { health, clients, clusters } = known;
+  if (health) {
+    renderHeader(health);
+    renderRejected(health);
+  }
+  if (health && clusters) {
+    renderClusters(health, clusters);
+    renderDecision(clusters);
+  }
+  if (clients) renderDevices(clients);
+  if (health && clients) renderProtection(health, clients);
 }
 
-poll();
+function start() {
+  const state = initialState();
+  if (state === null) {
+    poll();
+    return;
+  }
+  document.getElementById("federation-name").textContent = state.federation || "–";
+  document.title = `${state.federation} · fedsdk coordinator`;
+  for (const [part] of SOURCES) if (state[part] !== undefined) absorb(part, state[part]);
+  draw();
+  document.getElementById("link").textContent = `as of ${clock(state.at)}, when the page was served`;
+  setTimeout(poll, POLL_MS);
+}
+
+start();

@@ -20,6 +20,7 @@ from fedsdk.protocol import Error
 from fedsdk_coordinator.engine.masking import open_session, unmask
 from fedsdk_coordinator.engine.measure import record_slack
 from fedsdk_coordinator.engine.state import RoundState, wait, wait_with_grace
+from fedsdk_coordinator.engine.timing import Marks, time_split
 from fedsdk_coordinator.evaluation import describe_evaluation, federated_metrics
 from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs
@@ -45,12 +46,14 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
     reached("tasks_sent", round_id)
     quorum = max(min(c.min_clients, len(rnd.participants)), c.quorum_floor)
     opening = asyncio.create_task(open_session(e, rnd)) if rnd.masking is not None else None
+    marks = Marks()
     try:
         valid = await _collect(e, rnd, quorum)
     finally:
         if opening is not None:  # collection ended: a stage still waiting has nothing left to wait for
             opening.cancel()
             await asyncio.gather(opening, return_exceptions=True)
+    marks.collected = time.monotonic() - rnd.sent_at
     if not rnd.participants - set(rnd.replies):  # every participant replied: who was late is measured
         record_slack(e.measured, rnd.reply_s)
     base: dict[str, Any] = {"budget_" + cid: b for cid, b in rnd.budgets.items()}
@@ -70,6 +73,7 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
     summed, correction = e.strategy.summable(rnd, valid), None
     if rnd.masking is not None:
         summed, correction = await unmask(e, rnd, summed)
+        marks.unmask = time.monotonic() - rnd.sent_at - marks.collected
     if rnd.masking is not None and correction is None:
         e.store.finish_round(
             round_id, cluster_id, state="failed", num_clients=0, total_samples=0, metrics=base
@@ -83,11 +87,13 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
             round_id, cluster_id, state="failed", num_clients=0, total_samples=0, metrics=base
         )
         return False
+    marks.published = time.monotonic() - rnd.sent_at
     rnd.check_reported()  # goodbyes said while the round was collecting
     if not await wait(rnd.reported, c.report_timeout_s):
         log.warning(
             "round %d cluster %d: %d of %d reports", round_id, cluster_id, len(rnd.reports), len(valid)
         )
+    marks.reported = time.monotonic() - rnd.sent_at
     metrics = dict(agg.metrics)
     # the federated figure is over the devices whose updates are in the aggregate: one that sent none (it
     # failed, it declined) still evaluates the model it applied, but a figure it did not train for
@@ -95,6 +101,7 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
     metrics.update(federated_metrics([r.metrics for cid, r in rnd.reports.items() if cid in summed_ids]))
     ratios = [float(u.metrics.get("encrypted_ratio", 0.0)) for u in valid]
     metrics.update(base, encrypted_ratio=float(np.mean(ratios)), round_s=time.monotonic() - rnd.sent_at)
+    metrics.update(time_split(rnd, marks, metrics["round_s"]))  # where the round's time went
     e.store.finish_round(
         round_id,
         cluster_id,

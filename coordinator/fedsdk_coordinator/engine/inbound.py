@@ -336,11 +336,12 @@ class Inbound:
             raise ValidationError("stale_round", f"report for round {msg.round_id} outside that round")
         self._seen(client_id)
         e.relays.heard(client_id, msg.round_id, at_least=True)
-        rnd.reports[client_id] = msg
+        rnd.reports[client_id], rnd.report_s[client_id] = msg, time.monotonic() - rnd.sent_at
         rnd.check_reported()
         if len(rnd.reports) == 1:
             reached("report_stored", rnd.round_id)
-        e.store.merge_result_metrics(msg.round_id, msg.cluster_id, client_id, dict(msg.metrics))
+        metrics = {**msg.metrics, "report_s": rnd.report_s[client_id]}
+        e.store.merge_result_metrics(msg.round_id, msg.cluster_id, client_id, metrics)
         record_report(
             e.measured.setdefault(client_id, Measured()),
             msg,

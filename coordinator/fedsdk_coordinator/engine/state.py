@@ -31,6 +31,7 @@ class RoundState:
     raw: dict[str, bytes] = field(default_factory=dict)  # the envelopes of the replies, as received
     reply_s: dict[str, float] = field(default_factory=dict)  # when each update arrived, s after sent_at
     reports: dict[str, Report] = field(default_factory=dict)
+    report_s: dict[str, float] = field(default_factory=dict)  # when each report arrived, s after sent_at
     tasked: set[str] = field(default_factory=set)  # sent the task since their last hello
     collecting: bool = True  # still taking replies (False once aggregation starts)
     union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
