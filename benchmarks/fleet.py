@@ -1,7 +1,7 @@
 """Fleet benchmark: ``python benchmarks/fleet.py [--quick] [--scenarios ...] [--arms ...] [--out DIR]``.
 
 A thin wrapper around :func:`fedsdk_bench.fleet.main`, the same code ``fedsdk bench fleet`` runs (see
-``docs/benchmarks.md``). The guard matters: the coordinator's process pool starts workers with
+``docs/results/fleet.md``). The guard matters: the coordinator's process pool starts workers with
 ``forkserver``, which imports this script again in each worker.
 """
 

@@ -1,8 +1,8 @@
 """The cluster's consensus mask: which packs the devices of a cluster are asked to prefer next round.
 
 Why. In key mode ``shared`` every device of a cluster decrypts the *union* of the cluster's masks, and the
-devices' own top packs overlap little: in the system scenario of docs/benchmarks.md each device encrypted
-36-46 % of the packs and the union was 69-89 % (union ÷ largest mask 1.7-1.9), so decryption, not
+devices' own top packs overlap little: in the system scenario of docs/results/fleet-scenarios.md each device
+encrypted 36-46 % of the packs and the union was 69-89 % (union ÷ largest mask 1.7-1.9), so decryption, not
 encryption, made `fedsdk`'s rounds long. If the devices agree on which packs to encrypt, the union shrinks
 towards one mask.
 
@@ -25,8 +25,8 @@ round, and a client may end up protecting less of its own sensitivity than it wa
   device encrypt more; it only bounds the union from above. Too small, and every device whose needs
   exceed it adds its own extras, which is what makes the union. So: the ``m`` most-voted packs, ``m`` the
   largest mask of the round, ties to the lower pack index, packs nobody voted for never.
-  Measured (system scenario, seed 1, rounds 2-8; docs/benchmarks.md): without a consensus each device
-  encrypted 40 % of the packs and the union was 70 %; with a median-sized consensus 43 % and 57 %; with
+  Measured (system scenario, seed 1, rounds 2-8; docs/results/fleet-scenarios.md): without a consensus each
+  device encrypted 40 % of the packs and the union was 70 %; with a median-sized consensus 43 % and 57 %; with
   the largest 44 % and 51-55 % from round 3 (64 % in round 2), union ÷ consensus 1.04.
 """
 

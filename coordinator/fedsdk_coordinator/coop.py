@@ -4,8 +4,8 @@ protocol are in ``fedsdk.coop`` and ``fedsdk.crypto.shares``).
 
 Why: with shared keys every device used to decrypt the whole union of its cluster's masks, so after the
 aggregate the slowest device spent ``U / d_slowest`` decrypting before it could report; in the system
-scenario of the fleet benchmark that was the whole gap to plaintext (docs/benchmarks.md). Split in
-proportion to the devices' decryption speeds, the cluster decrypts the union once, in about
+scenario of the fleet benchmark that was the whole gap to plaintext (docs/results/fleet-scenarios.md).
+Split in proportion to the devices' decryption speeds, the cluster decrypts the union once, in about
 ``U / Σ d_i``, and each device's share of it is what the deadline budgets count (budgets.py).
 
 Decisions:
@@ -26,7 +26,8 @@ Decisions:
   first; a share arriving after that goes out at once. A device needs every part anyway, so holding them
   costs it nothing, while relaying each one would cost every device one message per device of its
   cluster: measured in the fleet benchmark's system scenario (20 devices in 4 worker processes on 2
-  cores), relaying one by one left the devices 0.12-0.23 s waiting for shares (docs/benchmarks.md).
+  cores), relaying one by one left the devices 0.12-0.23 s waiting for shares
+  (docs/results/fleet-scenarios.md).
 * **The last devices to finish get no part.** A device prepares the openings of its part while it waits for
   the aggregate (``fedsdk.client.decryption``), and the bundle waits for its share: a device that sends its
   update last has no wait to prepare in, so its part is prepared and opened after the aggregate, while the
@@ -42,7 +43,7 @@ Decisions:
   preparing and their share reached the coordinator last, at 30 ms (2048-bit keys, seed 2, timestamps added
   for the measurement); with no part for them (then chosen by training time), the path from the aggregate to
   the last report fell from 65, 70, 67 and 82 ms to 54, 53, 54 and 51 (2048 bits seeds 1, 2 and 3, 3072 bits
-  seed 1; docs/benchmarks.md). A wider margin (no part for every device training at 60 % of the slowest's
+  seed 1; docs/results/fleet.md). A wider margin (no part for every device training at 60 % of the slowest's
   time or more) left too few devices holding the decryption and gained nothing more.
 * Why arrival and not training time: devices of one speed train on different amounts of data and the
   measured times are noisy, so the training times of the slowest class spread wider than any margin. In the

@@ -7,7 +7,7 @@ mosquitto, the coordinator application, :class:`~fedsdk.FedClient` devices in wo
 
 Modules: :mod:`~fedsdk_bench.clustering.data` (scenarios; each device's D, H and E), :mod:`~.local` (the
 ``local`` arm), :mod:`~.run` (one scenario and seed, every arm), :mod:`~.report` (tables, goals),
-:mod:`~.cli`. See ``docs/benchmarks.md``.
+:mod:`~.cli`. See ``docs/results/clustering.md``.
 """
 
 from __future__ import annotations

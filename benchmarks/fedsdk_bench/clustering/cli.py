@@ -33,7 +33,7 @@ from fedsdk_bench.fleet.runner import FleetConfig
 
 __all__ = ["DEFAULTS", "main", "personal_supported"]
 
-# rounds and local epochs: (a) has converged on iid by then (docs/benchmarks.md, "The clustering benchmark")
+# rounds and local epochs: (a) has converged on iid by then (docs/results/clustering.md)
 DEFAULTS = {"rounds": 15, "epochs": 10}
 QUICK = {"scenarios": "rot4-8", "rounds": 2, "epochs": 5, "key_bits": 1024}
 

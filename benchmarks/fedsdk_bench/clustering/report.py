@@ -1,6 +1,6 @@
 """The clustering benchmark's tables (Markdown, printed and written) and its goals.
 
-Goals (docs/benchmarks.md, "The clustering benchmark"):
+Goals (docs/results/clustering.md):
 
 * ``ari``: ARI ≥ 0.9 at every seed on ``rot4-8``, ``rot4-16`` and ``mix2x2``;
 * ``iid``: one cluster at every seed on ``iid``;

@@ -7,7 +7,7 @@ real application and the broker a real mosquitto. ``main(argv)`` is ``fedsdk ben
 Modules: :mod:`~fedsdk_bench.fleet.scenarios` (fleets from §4.1 and fig. 5), :mod:`~.emulation` (how
 devices are slowed), :mod:`~.worker` (device processes), :mod:`~.broker` (mosquitto), :mod:`~.runner`
 (one federation per arm), :mod:`~.metrics`, :mod:`~.targets`, :mod:`~.report`, :mod:`~.plots`,
-:mod:`~.cli`. See ``docs/benchmarks.md``.
+:mod:`~.cli`. See ``docs/results/fleet.md``.
 """
 
 from __future__ import annotations

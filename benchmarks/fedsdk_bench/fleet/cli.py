@@ -2,14 +2,14 @@
 
 For each scenario the data split is made once and every arm (strategy) runs a full federation on it with
 the same seeds: real coordinator, real mosquitto, real FedClients (dilated compute, limited uplink; see
-``docs/benchmarks.md``). Order within a scenario: plaintext arms first, so that ``fedsdk``'s deadline
+``docs/results/fleet.md``). Order within a scenario: plaintext arms first, so that ``fedsdk``'s deadline
 budgets can aim at the plaintext round time just measured (``--target-round auto``); then ``fedsdk``,
 ``sensecrypt``, then ``maskcrypt`` with its uniform α set to sensecrypt's mean encrypted ratio
 (``--uniform-budget auto``: the same HE work per device on average, spread uniformly; paper 000 §4.2 makes
 the two comparable by equal union size instead, which is only known after a run), then ``plain-he``.
 ``--repeats R`` runs that sequence R times, reversed every other time (:func:`arm_order`), and reports
 each arm's round time as the mean over its repeats: on a shared machine the arm that runs first or second
-can be favoured by drift that has nothing to do with the arm (docs/benchmarks.md), and alternating the
+can be favoured by drift that has nothing to do with the arm (docs/results/fleet.md), and alternating the
 order cancels it out of the ratio. Writes ``report.md``, ``fleet.json`` and PNG plots into ``--out``.
 
 Exit codes: 0 every arm finished; 1 some arm failed; 2 bad usage.

@@ -39,7 +39,7 @@ the device. The emulation therefore measures what a step *costs* and decides how
   ``python benchmarks/pool_training.py``), which on real hardware, another machine, it cannot. With the
   control both arms carry that contention, and the ``fedsdk`` ratio against it is reported beside the
   plain one. Measured at the product's defaults, the control arm's round matched plaintext's within the
-  noise (docs/benchmarks.md): the pools are not what makes the ``fedsdk`` arm dearer.
+  noise (docs/results/fleet.md): the pools are not what makes the ``fedsdk`` arm dearer.
 * **Uplink**: the transport's token bucket (``MqttTransport.rate_limit_bytes_per_s``); every outgoing frame
   waits its serialisation time. The broker, the coordinator and the key server are not slowed down.
 

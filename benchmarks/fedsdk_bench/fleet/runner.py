@@ -37,11 +37,11 @@ FEDERATION = "fleet"
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """Settings shared by every arm of an invocation (defaults: the full benchmark, docs/benchmarks.md)."""
+    """Settings shared by every arm of an invocation (defaults: the full benchmark, docs/results/fleet.md)."""
 
     model: str = "mlp16"
     rounds: int = 3
-    epochs: int = 40  # ≈ one epoch over a paper-000 client's 3,000 samples (docs/benchmarks.md)
+    epochs: int = 40  # ≈ one epoch over a paper-000 client's 3,000 samples (docs/results/fleet.md)
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0

@@ -8,7 +8,7 @@ harness handed out) and measures the round time and the coordinator's peak resid
 
 Modules: ``broker`` (mosquitto on loopback), ``coordinator`` (the coordinator process), ``devices`` (a
 worker process of many devices), ``harness`` (the run), ``analysis`` (verdict and table), ``cli``
-(:func:`main`). ``docs/load.md`` has the measured figures.
+(:func:`main`). ``docs/results/load.md`` has the measured figures.
 """
 
 from __future__ import annotations

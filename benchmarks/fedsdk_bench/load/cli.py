@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
         prog="fedsdk bench load",
         description="Many real FedClient devices (several per process) against mosquitto on loopback and a "
         "real coordinator in its own process: checks that every update is aggregated and none lost, and "
-        "measures round time and the coordinator's peak memory. See docs/load.md.",
+        "measures round time and the coordinator's peak memory. See docs/results/load.md.",
     )
     p.add_argument(
         "--devices", type=int, default=d["devices"], help="simulated devices (default %(default)s)"

@@ -9,7 +9,7 @@ slowest device's figure sets every device's budget (budgets.py), so one slow rou
 garbage collection, a Wi-Fi hiccup) moved by a running mean of weight 0.5 cut the encryption of the whole
 cluster in the next round. Measured in the fleet benchmark (system scenario, model ``mlp``, 4,810
 parameters, 2048-bit keys, seed 2): one such round in 29 left every device at a budget of 0.64 (docs/
-benchmarks.md). A median ignores one or two outliers in five and follows a lasting change after three
+results/fleet.md). A median ignores one or two outliers in five and follows a lasting change after three
 rounds (the running mean was then still an eighth of the step short).
 """
 

@@ -2,10 +2,10 @@
 
 In key mode ``shared`` every device of a cluster holds the HE secret key, and every one of them used to
 decrypt every encrypted pack of the cluster's aggregate: the union of the masks, which with 20 devices is
-50-90 % of the model, so the slowest device's decryption set the round time (docs/benchmarks.md). With
-cooperative decryption the coordinator splits the union among the cluster's devices (in proportion to
-their measured decryption speed), each device decrypts its part and publishes the raw plaintexts, and
-everyone assembles the whole. A device that misses a part decrypts it itself (``fedsdk.client``).
+50-90 % of the model, so the slowest device's decryption set the round time (docs/results/fleet-scenarios.md).
+With cooperative decryption the coordinator splits the union among the cluster's devices (in proportion to
+their measured decryption speed), each device decrypts its part and publishes the raw plaintexts, and everyone
+assembles the whole. A device that misses a part decrypts it itself (``fedsdk.client``).
 
 What is shared, and under what (decisions):
 
