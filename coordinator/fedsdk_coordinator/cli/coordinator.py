@@ -137,6 +137,12 @@ def add_parser(sub: Any) -> None:
         "--broker-acl",
         help="embedded broker: this mosquitto acl_file instead of the fleet ACL for --federation/--key-mode",
     )
+    p.add_argument(
+        "--embedded-broker",
+        metavar="DIR",
+        help="run the embedded broker with the fleet's broker files in DIR (fleet/broker from 'fedsdk "
+        "provision'), on the kit's broker address unless --listen is given; the coordinator connects to it",
+    )
     p.add_argument("--exit-when-done", action="store_true", help="stop once the last round is aggregated")
     p.add_argument("--he", metavar="DIR", help="the federation's HE public key folder (HE strategies)")
     add_strategy_options(
@@ -167,6 +173,8 @@ def _refuse_ignored_broker_options(args: argparse.Namespace) -> None:
     here instead" would turn a typo into a second broker. Running the embedded broker with the fleet's
     certificates stays one command: name the kit's files instead of ``--kit``."""
     given = [flag for attr, flag in EMBEDDED_OPTIONS if getattr(args, attr) is not None]
+    if args.embedded_broker:
+        given.append("--embedded-broker")
     if not given:
         return
     if args.broker is not None:
@@ -174,7 +182,7 @@ def _refuse_ignored_broker_options(args: argparse.Namespace) -> None:
             f"{', '.join(given)} configure the embedded broker, which does not run with --broker "
             f"{args.broker}: drop them, or drop --broker"
         )
-    if args.kit:
+    if args.kit and not args.embedded_broker:
         from fedsdk_coordinator.provision import load_kit
 
         kit = args.kit
@@ -182,7 +190,8 @@ def _refuse_ignored_broker_options(args: argparse.Namespace) -> None:
             f"{', '.join(given)} configure the embedded broker, which does not run with --kit (the kit "
             f"connects to {load_kit(kit).broker_url}): drop them, or run the embedded broker without --kit, "
             f"naming the kit's files: --ca {kit}/ca.pem --cert {kit}/client.pem --key {kit}/client.key "
-            f"--he {kit}/he --federation FED (certs/README.md, 'Embedded broker')"
+            f"--he {kit}/he --federation FED, or add --embedded-broker FLEET/broker (certs/README.md, 'Embedded "
+            f"broker')"
         )
 
 
@@ -278,7 +287,13 @@ def _apply_kit(args: argparse.Namespace) -> None:
     kit = load_kit(args.kit)
     if kit.role != "coordinator":
         raise ConfigError(f"{args.kit} is a {kit.role} kit; the coordinator needs the coordinator kit")
-    if args.broker is None:
+    if args.embedded_broker:
+        from fedsdk.transport import parse_broker_url
+
+        if args.listen is None:  # the embedded broker listens where the fleet's devices are told to connect
+            address = parse_broker_url(kit.broker_url)
+            args.listen = hostport(address.host, address.port)
+    elif args.broker is None:
         args.broker = kit.broker_url
     if args.federation is None:
         args.federation = kit.federation
@@ -291,10 +306,31 @@ def _apply_kit(args: argparse.Namespace) -> None:
         args.key_mode = kit.key_mode
 
 
+def _broker_folder(args: argparse.Namespace) -> None:
+    """``--embedded-broker DIR``: the broker's files of a fleet folder, each unless given on its own.
+
+    Decision: an explicit option rather than running the broker whenever ``--kit`` comes with ``--listen``:
+    a kit names the broker every identity connects to, and a typo must not start a second one."""
+    folder = Path(args.embedded_broker)
+    names = {"broker_cert": "server.pem", "broker_key": "server.key", "broker_crl": "crl.pem"}
+    for attr, name in names.items():
+        if getattr(args, attr) is None and (name != "crl.pem" or (folder / name).exists()):
+            if not (folder / name).is_file():
+                raise ConfigError(
+                    f"--embedded-broker {folder}: no {name} there; give the broker folder 'fedsdk provision' "
+                    "wrote (FLEET/broker)"
+                )
+            setattr(args, attr, str(folder / name))
+    if args.ca is None and not args.kit:
+        args.ca = str(folder / "ca.pem")
+
+
 def run(args: argparse.Namespace) -> int:
     co = import_coordinator()
 
     _refuse_ignored_broker_options(args)
+    if args.embedded_broker:
+        _broker_folder(args)
     check_given_paths(args, "ca", "cert", "key", "he")
     if args.kit:
         _apply_kit(args)

@@ -103,6 +103,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--federation", help="defaults to the kit's federation, else 'default'")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.add_argument(
+        "--connect-wait",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="wait up to S seconds for a broker that is not up yet (default 60; a device may start first)",
+    )
+    p.add_argument(
         "--idle-timeout",
         type=float,
         default=300.0,
@@ -316,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
             personal_epochs=personal_epochs,
             state_dir=args.state_dir,
             min_aggregate=args.min_aggregate,
+            connect_wait=args.connect_wait,
         ) as client:
             freeze_long_lived()  # full collections would otherwise walk every module at each round (heap.py)
             summary = await client.run(timeout=args.timeout, idle_timeout=args.idle_timeout or None)

@@ -86,8 +86,8 @@ class FedClient:
 
     ``state_dir``: where the device keeps the model it holds across restarts of its process (written after
     each applied aggregate, mode 0600, read back at construction: :mod:`fedsdk.client.saved`).
-
     ``min_aggregate``: the fewest devices in a sum this device puts its update in (``client/masking.py``).
+    ``connect_wait``: seconds to wait for a broker that is not up yet when opening (default ``timeout``).
     """
 
     def __init__(
@@ -112,6 +112,7 @@ class FedClient:
         personal_epochs: int = 0,
         state_dir: str | os.PathLike[str] | None = None,
         min_aggregate: int = DEFAULT_MIN_AGGREGATE,
+        connect_wait: float | None = None,
     ) -> None:
         T.validate_config_id(client_id, "client id")
         if isinstance(personal_epochs, bool) or not isinstance(personal_epochs, int) or personal_epochs < 0:
@@ -137,9 +138,8 @@ class FedClient:
             self_audit_db=self_audit_db,
         )
         self._state = "unopened"
-        self._link = Link(
-            self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout, probe_bytes=probe_bytes
-        )
+        self._link = Link(self._device, broker_url, tls=tls, insecure=insecure, timeout=timeout,
+                          probe_bytes=probe_bytes, connect_wait=connect_wait)  # fmt: skip
         self._masking = Masking.with_identity(self._device, self._link, tls, min_aggregate)
         self._tasks = Tasks(self._device, self._link, self._work, conditions, self._masking)
         self._decryption = Decryption(self._device)

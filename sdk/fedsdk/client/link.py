@@ -70,8 +70,10 @@ class Link:
         insecure: bool,
         timeout: float,
         probe_bytes: int,
+        connect_wait: float | None = None,
     ) -> None:
         self.device = device
+        self._connect_wait = connect_wait  # how long connect() waits for a broker not up yet (None: timeout)
         self.said = LimitedLog(log)  # lines a sender causes (rejected, unexpected), limited per kind
         self.hello_epoch: str | None = None  # the coordinator instance last greeted
         self.heard = time.monotonic()  # when the coordinator was last heard from (any message)
@@ -108,7 +110,7 @@ class Link:
         he = self.device.he
         if he is not None:  # measured HE throughput for the hello (DESIGN.md step 1)
             self._he_vps = await asyncio.get_running_loop().run_in_executor(None, calibrate_he, he)
-        await self.transport.connect()
+        await self.transport.connect(self._connect_wait)
 
     async def subscribe(self) -> None:
         """Follow the federation's status and this device's tasks; measure the uplink for the hello."""
@@ -222,7 +224,8 @@ class Link:
                 )
                 await publish(T.ERROR, err)
                 summary.state, summary.reason = "refused", reason
-                log.error("the federation's model does not fit this device's data: %s", reason)
+                # the run ends "refused" with this reason, which the caller reports (fedsdk join: last line)
+                log.info("the federation's model does not fit this device's data: %s", reason)
                 return True
             await self.say_hello(publish)
             self.hello_epoch = status.epoch

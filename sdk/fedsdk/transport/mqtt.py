@@ -40,6 +40,7 @@ from fedsdk.transport.values import Message, TlsConfig, Will, check_topic, parse
 __all__ = ["MqttTransport"]
 
 log = logging.getLogger("fedsdk.transport")
+progress = logging.getLogger("fedsdk.progress")  # the one "waiting for the broker" line the CLI shows
 
 
 class MqttTransport:
@@ -197,9 +198,10 @@ class MqttTransport:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def connect(self) -> None:
+    async def connect(self, timeout: float | None = None) -> None:
         """Open the link: TCP (+TLS), CONNECT, CONNACK. Raises ConnectError with the reason on refusal, TLS
-        or auth failure, or when the broker stays unreachable for ``timeout`` seconds."""
+        or auth failure, or when the broker stays unreachable for ``timeout`` seconds (default: the
+        transport's); a broker not up yet is tried again with backoff meanwhile, said once."""
         link = self._link
         if link.state is not State.UNOPENED:
             raise StateError(f"connect() on a transport that is {link.state.value}")
@@ -212,7 +214,8 @@ class MqttTransport:
                 self.host,
                 self.port,
             )
-        deadline = loop.time() + self._timeout
+        wait = self._timeout if timeout is None else timeout
+        deadline = loop.time() + wait
         delay = self._reconnect_min
         try:
             while True:
@@ -226,7 +229,11 @@ class MqttTransport:
                     if exc.permanent or loop.time() + pause >= deadline:
                         raise ConnectError(
                             f"cannot connect to {self.host}:{self.port}: {exc.reason}"
+                            + ("" if exc.permanent else f" (tried for {wait:.0f} s: is the broker running there?)")
                         ) from exc
+                    if delay == self._reconnect_min:
+                        progress.info("waiting for the broker at %s:%d (%s), up to %.0f s", self.host,
+                                      self.port, exc.reason, wait)  # fmt: skip
                     log.info("connect to %s:%d failed (%s), retrying", self.host, self.port, exc.reason)
                     await asyncio.sleep(pause)
                     delay = min(delay * 2, self._reconnect_max)
