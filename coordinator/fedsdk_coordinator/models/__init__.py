@@ -1,6 +1,7 @@
-"""Models, the coordinator's side: layer specs and presets (``layers``), the training-step and evaluation
-graphs a device runs on stock onnxruntime (``builder``, written by ``graphwriter``), and ONNX import
-(``importer``; needs ``onnx``). See ``docs/training.md``."""
+"""Models, the coordinator's side: layer specs and presets (``layers``; spec files read by ``specfile``,
+whose errors name the fix), the training-step and evaluation graphs a device runs on stock onnxruntime
+(``builder``, written by ``graphwriter``), and ONNX import (``importer``; needs ``onnx``). See
+``docs/training.md``."""
 
 from __future__ import annotations
 

@@ -81,7 +81,10 @@ class Linear:
 
     def output_shape(self, shape: Shape) -> Shape:
         if shape != (self.in_features,):
-            raise ConfigError(f"Linear({self.in_features}, ...) cannot take per-sample shape {shape}")
+            fix = f"set in_features to {shape[0]}" if len(shape) == 1 else "put a Flatten before it"
+            raise ConfigError(
+                f"Linear(in_features={self.in_features}) cannot take per-sample shape {shape}: {fix}"
+            )
         return (self.out_features,)
 
 
@@ -123,7 +126,12 @@ class Conv2d:
 
     def output_shape(self, shape: Shape) -> Shape:
         if len(shape) != 3 or shape[0] != self.in_channels:
-            raise ConfigError(f"Conv2d({self.in_channels}, ...) cannot take per-sample shape {shape}")
+            fix = (
+                f"set in_channels to {shape[0]}" if len(shape) == 3 else "it needs (channels, height, width)"
+            )
+            raise ConfigError(
+                f"Conv2d(in_channels={self.in_channels}) cannot take per-sample shape {shape}: {fix}"
+            )
         out = tuple(_pool_out(shape[1 + i], self.kernels[i], self.strides[i], self.pads[i]) for i in (0, 1))
         if min(out) < 1:
             raise ConfigError(f"Conv2d output would be empty for input {shape}")
@@ -242,17 +250,6 @@ def _layer_to_dict(layer: Layer) -> dict[str, Any]:
     return {"type": layer.kind, **data}
 
 
-def _layer_from_dict(data: Mapping[str, Any]) -> Layer:
-    if not isinstance(data, Mapping) or data.get("type") not in _KINDS:
-        raise ConfigError(f"unknown layer {data!r}; known types: {sorted(_KINDS)}")
-    cls = _KINDS[data["type"]]
-    kwargs = {k: v for k, v in data.items() if k != "type"}
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"bad arguments for {data['type']}: {exc}") from exc
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """A layer list, the per-sample input shape (``(64,)`` or ``(1, 8, 8)``) and the number of classes.
@@ -278,10 +275,16 @@ class ModelSpec:
         if self.num_classes < 2:
             raise ConfigError("num_classes must be at least 2")
         shapes = [self.input_shape]
-        for layer in self.layers:
-            shapes.append(layer.output_shape(shapes[-1]))
+        for i, layer in enumerate(self.layers):
+            try:
+                shapes.append(layer.output_shape(shapes[-1]))
+            except ConfigError as exc:
+                raise ConfigError(f"layers[{i}] ({layer.kind}): {exc}") from exc
         if shapes[-1] != (self.num_classes,):
-            raise ConfigError(f"the model ends in shape {shapes[-1]}, expected ({self.num_classes},) logits")
+            raise ConfigError(
+                f"the model ends in shape {shapes[-1]}, expected ({self.num_classes},) logits: the last "
+                f"layer must give num_classes = {self.num_classes} outputs (or set num_classes to match it)"
+            )
         object.__setattr__(self, "shapes", tuple(shapes))
 
     @property
@@ -310,13 +313,10 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
-        try:
-            layers = tuple(_layer_from_dict(d) for d in data["layers"])
-            return cls(
-                layers=layers, input_shape=tuple(data["input_shape"]), num_classes=int(data["num_classes"])
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"bad model spec: {exc!r}") from exc
+        """The inverse of :meth:`to_dict`; its errors name the layer and the accepted names (``specfile``)."""
+        from fedsdk_coordinator.models.specfile import spec_from_dict
+
+        return spec_from_dict(data)
 
 
 def mlp(input_dim: int = 64, hidden: Sequence[int] = (64,), num_classes: int = 10) -> ModelSpec:

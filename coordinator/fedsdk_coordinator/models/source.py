@@ -13,16 +13,16 @@ are initialised like the presets'.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
 from fedsdk.errors import ConfigError
 from fedsdk.model import GraphBundle
-from fedsdk_coordinator.models import ModelSpec, build_graphs, init_params, preset
+from fedsdk_coordinator.models import build_graphs, init_params, preset
+from fedsdk_coordinator.models.specfile import read_spec
 
 __all__ = ["ModelSource", "load_model"]
 
@@ -36,21 +36,6 @@ class ModelSource:
     task: str
     kind: Literal["preset", "onnx", "spec"]
     layout: Literal["flat", "image"] | None  # how the bundled digits must be shaped for a preset
-
-
-def _read_spec(path: Path) -> ModelSpec:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        data: Any = json.loads(text)
-    else:
-        try:
-            import tomllib
-        except ImportError as exc:  # Python 3.10
-            raise ConfigError("TOML model specs need Python 3.11 or later; use the JSON form") from exc
-        data = tomllib.loads(text)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a model spec is a table with input_shape, num_classes and layers")
-    return ModelSpec.from_dict(data)
 
 
 def load_model(name: str, *, task: str = "classification", seed: int = 0) -> ModelSource:
@@ -69,7 +54,7 @@ def load_model(name: str, *, task: str = "classification", seed: int = 0) -> Mod
             return ModelSource(imported.bundle, imported.weights, task, "onnx", None)
         if task != "classification":
             raise ConfigError(f"a layer spec trains classes; task {task!r} needs an ONNX model")
-        spec = _read_spec(path)
+        spec = read_spec(path)
         return ModelSource(build_graphs(spec), init_params(spec, seed=seed), task, "spec", None)
     if task != "classification":
         raise ConfigError(f"the preset {name!r} trains classes; task {task!r} needs an ONNX model")
