@@ -392,14 +392,16 @@ def _with_steps(c: Clustering, steps: list[SplitStep]) -> Clustering:
 def describe(clustering: Clustering) -> str:
     """The decision in one line: the clusters, and each question asked (``SplitStep``) with its answer."""
     sil = "" if clustering.silhouette is None else f", silhouette {clustering.silhouette:.3f}"
-    head = f"{len(clustering.labels)} devices in {clustering.n_clusters} clusters{sil}"
+    n, k = len(clustering.labels), clustering.n_clusters
+    head = f"{n} device{'' if n == 1 else 's'} in {k} cluster{'' if k == 1 else 's'}{sil}"
     parts = []
     for step in clustering.steps:
         where = "all" if not step.path else f"cluster {step.path}"
         best = (
             "no split offered"
             if step.best_silhouette is None
-            else f"best {step.best_clusters} clusters at silhouette {step.best_silhouette:.3f}"
+            else f"best {step.best_clusters} cluster{'' if step.best_clusters == 1 else 's'} at silhouette "
+            f"{step.best_silhouette:.3f}"
         )
         parts.append(f"{where} ({step.devices}): {best}, {'split' if step.accepted else step.reason}")
     return head + (": " + "; ".join(parts) if parts else "")

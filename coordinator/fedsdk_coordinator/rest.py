@@ -73,7 +73,8 @@ def _reason(engine: RoundEngine, c: Clustering | None) -> tuple[str, str]:
     sil = "n/a" if c.silhouette is None else f"{c.silhouette:.3f}"
     asked = sum(1 for step in c.steps if step.path)
     inside = f", {asked} split questions asked inside clusters" if asked else ""
-    return "decided", f"affinity propagation: {c.n_clusters} clusters, silhouette {sil}{inside}"
+    clusters = f"{c.n_clusters} cluster{'' if c.n_clusters == 1 else 's'}"
+    return "decided", f"affinity propagation: {clusters}, silhouette {sil}{inside}"
 
 
 def clusters_view(engine: RoundEngine, store: Store) -> dict[str, Any]:

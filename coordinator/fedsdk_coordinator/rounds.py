@@ -64,6 +64,17 @@ __all__ = ["RoundConfig", "RoundEngine"]
 log = logging.getLogger(__name__)
 
 
+def _say_retry(round_id: int, detail: str, wait_s: float) -> None:
+    """Log that a failed round (or the sketch round, ``round_id`` 0) waits to run again. A round's clusters
+    each logged their failure as an ERROR already (``engine.cluster``): it is not said a second time."""
+    if round_id:
+        log.warning(
+            "round %d runs again once a device joins or returns (waiting up to %.0f s)", round_id, wait_s
+        )
+    else:
+        log.error("%s", detail)
+
+
 class RoundEngine(FederationState):
     """Runs the rounds of one federation, every cluster concurrently."""
 
@@ -296,7 +307,7 @@ class RoundEngine(FederationState):
         self.retry_without = {round_id: failed_on_device(self.open_rounds.values(), round_id)}
         self.open_rounds = {k: r for k, r in self.open_rounds.items() if r.round_id != round_id}
         self.detail = f"{why}; waiting up to {c.join_timeout_s:.0f} s for a device to join or return"
-        log.error("%s", self.detail)
+        _say_retry(round_id, self.detail, c.join_timeout_s)
         await self._set_state("running")
         # a hello (a device joined or came back) since the failed attempt was planned
         if not await self.presence_until(lambda: self.arrivals != self.planned_at, c.join_timeout_s):

@@ -179,7 +179,7 @@ class SentAuditReport:
         t = self.config.threshold_db
         return (
             f"{name}: max {float(db.max()):.1f} dB, mean {mean:.1f} dB; "
-            f"{int((db >= t).sum())} samples at >= {t:.0f} dB, "
+            f"{_samples(int((db >= t).sum()))} at >= {t:.0f} dB, "
             f"{score_samples(db, self.null_db, t)} above the null attacker"
         )
 
@@ -205,6 +205,11 @@ class SentAuditReport:
 def null_scores(samples: np.ndarray, public: np.ndarray, data_range: float) -> np.ndarray:
     """Per sample, the PSNR of the best public sample: what an attacker gets with no update at all."""
     return best_match_db(samples, public, data_range)
+
+
+def _samples(n: int) -> str:
+    """``1 sample``, ``2 samples``."""
+    return f"{n} sample{'' if n == 1 else 's'}"
 
 
 def score_samples(attack_db: np.ndarray, null_db: np.ndarray, threshold_db: float) -> int:

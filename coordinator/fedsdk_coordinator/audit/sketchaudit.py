@@ -30,7 +30,7 @@ from fedsdk.audit.metrics import best_match_db, psnr
 from fedsdk.errors import ConfigError
 from fedsdk.sketch import gaussian_sigma
 from fedsdk_coordinator.audit.inversion import torch_available
-from fedsdk_coordinator.audit.sent import null_scores, score_samples
+from fedsdk_coordinator.audit.sent import _samples, null_scores, score_samples
 from fedsdk_coordinator.audit.sketch import SketchInversionConfig, invert_sketch, unit_sketches
 
 __all__ = [
@@ -140,7 +140,7 @@ class SketchAuditReport:
             out.append(
                 f"sketch inversion ({c.iterations} iterations, {c.restarts} starts, labels {labels}): "
                 f"max {float(db.max()):.1f} dB, mean {float(np.minimum(db, 100.0).mean()):.1f} dB; "
-                f"{int((db >= t).sum())} samples at >= {t:.0f} dB, "
+                f"{_samples(int((db >= t).sum()))} at >= {t:.0f} dB, "
                 f"{score_samples(db, self.null_db, t)} above the null attacker"
             )
         d = self.distribution

@@ -1,9 +1,12 @@
 """``fedsdk audit``: attack this device's own visible update (what the coordinator sees), measure protection.
 
-Without ``--sent``: the worst case, a single-step update of ``--batch-size`` samples, every attack. With
-``--sent``: the update a device really sends (the federation's local training on ``--data``, or on device
-``--device`` of the label-skew demo, its real mask, pack size and noise), attacked at the first layer and
-scored per sample against a null attacker (``fedsdk_coordinator.audit.sent``). ``--attacks sketch``: the
+By default: the update a device really sends at the product's default setting (:data:`PRODUCT_DEFAULTS`:
+strategy ``fedsdk``, its mask, budget α = 1, 2048-bit keys, model ``mlp``, secure aggregation on), made by
+the federation's local training on ``--data``, or on device ``--device`` of the label-skew demo, attacked at
+the first layer and scored per sample against a null attacker (``fedsdk_coordinator.audit.sent``; ``--sent``
+names it explicitly). Options that weaken it (``--budget``, ``--mask``, ...) are labelled in the output.
+``--single-step``: the worst case, a single-step update of ``--batch-size`` samples at α = 0.1 with the
+paper's mask alone, every attack: weaker than the product, and labelled so. ``--attacks sketch``: the
 sensitivity sketch the device sends for clustering (of ``--sketch-samples`` of the same data), inverted and
 scored the same way (``fedsdk_coordinator.audit.sketchaudit``); other attacks named with it run as well.
 
@@ -23,6 +26,31 @@ from fedsdk.errors import ConfigError
 
 log = logging.getLogger("fedsdk.progress.audit")  # the audit's steps, shown by default (-q hides them)
 
+# What a federation runs when its operator changes nothing (RoundConfig, the fedsdk strategy, the default
+# key size and model); the audit's defaults are these, and the output says where a run departs from them.
+PRODUCT_DEFAULTS: dict[str, Any] = {
+    "strategy": "fedsdk",
+    "mask": "fedsdk",  # its mask: eq. 4-9, the leakage check, then filled to the budget
+    "budget": 1.0,  # the deadline budgets' cap, which a device of the mlp preset reaches
+    "key_bits": 2048,
+    "model": "mlp",
+    "noise": 0.0,
+    "secagg": True,
+}
+SINGLE_STEP_BUDGET = 0.1
+# options of the single-step worst case alone: (attribute, flag, its default)
+SINGLE_STEP_ONLY: tuple[tuple[str, str, Any], ...] = (
+    ("batch_size", "--batch-size", 1),
+    ("samples", "--samples", 8),
+    ("metric", "--metric", "wg"),
+    ("mask_floor", "--mask-floor", ()),
+    ("pack_size", "--pack-size", 1),
+    ("eta_mi", "--eta-mi", 2.0),
+    ("sweep", "--sweep", False),
+    ("ratios", "--ratios", None),
+    ("sweep_metrics", "--sweep-metrics", None),
+)
+
 
 def _floats(text: str) -> tuple[float, ...]:
     """Comma-separated fractions; a value ending in ``%`` is a percentage (``5%`` = 0.05)."""
@@ -40,24 +68,40 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_parser(sub: Any) -> None:
     from fedsdk.sensitivity import METRICS
-    from fedsdk_coordinator.audit import ATTACKS, MODELS, SWEEP_METRICS, SWEEP_RATIOS
+    from fedsdk_coordinator.audit import ATTACKS, MODELS
 
     p = sub.add_parser(
         "audit", help="attack this device's own update and measure protection", description=__doc__
     )
     p.add_argument(
-        "--model", choices=MODELS, default="mlp", help="preset: mlp (64-64-10) or cnn (LeNet-style)"
+        "--model",
+        choices=MODELS,
+        default=PRODUCT_DEFAULTS["model"],
+        help="preset: mlp (64-64-10) or cnn (LeNet-style)",
     )
-    p.add_argument("--batch-size", type=int, default=1, help="samples per attacked update (default 1)")
     p.add_argument(
-        "--samples", type=int, default=8, help="attacked updates, random training digits (default 8)"
+        "--budget",
+        type=float,
+        default=None,
+        help="the device's budget α (default: the product's, 1.0; with --single-step 0.1); below the "
+        "default it is a weaker setting, labelled so",
     )
-    p.add_argument("--metric", choices=METRICS, default="wg", help="sensitivity metric of the device mask")
     p.add_argument(
-        "--budget", type=float, default=None, help="the device's budget α (default 0.1; with --sent 1.0)"
+        "--single-step",
+        action="store_true",
+        help="attack the worst case instead: one plain-SGD step of --batch-size samples, the paper's mask "
+        "alone at α 0.1, pack size 1, no secure aggregation (weaker than the product; labelled so)",
     )
-    g = p.add_argument_group("the update a device really sends (--sent), and its data (--sent, sketch)")
-    g.add_argument("--sent", action="store_true", help="attack the real multi-step update, masked as sent")
+    s1 = p.add_argument_group("the single-step worst case (--single-step)")
+    s1.add_argument("--batch-size", type=int, default=None, help="samples per attacked update (default 1)")
+    s1.add_argument(
+        "--samples", type=int, default=None, help="attacked updates, random training digits (default 8)"
+    )
+    s1.add_argument("--metric", choices=METRICS, default=None, help="sensitivity metric of the mask (wg)")
+    g = p.add_argument_group("the update a device really sends (the default), and its data (also sketch)")
+    g.add_argument(
+        "--sent", action="store_true", help="attack the real multi-step update, masked as sent (the default)"
+    )
     g.add_argument(
         "--data", metavar="FILE", help="the device's .npz (x, y); default: a label-skew demo device"
     )
@@ -71,36 +115,43 @@ def add_parser(sub: Any) -> None:
     g.add_argument(
         "--mask",
         choices=["fedsdk", "filled", "eq4", "random"],
-        default="fedsdk",
+        default=PRODUCT_DEFAULTS["mask"],
         help="the device's mask: fedsdk (leakage check, then filled: the default), filled, eq4 (paper 000 "
         "alone, the old default), random (as many packs as fedsdk's)",
     )
-    g.add_argument("--key-bits", type=int, default=2048, help="the federation's key size (its pack size)")
-    g.add_argument("--noise", type=float, default=0.0, metavar="Z", help="noise on the clear part")
+    g.add_argument(
+        "--key-bits",
+        type=int,
+        default=PRODUCT_DEFAULTS["key_bits"],
+        help="the federation's key size (its pack size)",
+    )
+    g.add_argument(
+        "--noise", type=float, default=PRODUCT_DEFAULTS["noise"], metavar="Z", help="noise on the clear part"
+    )
     g.add_argument("--clip", type=float, default=1.0, metavar="C", help="clip of the clear part when noised")
-    p.add_argument(
+    s1.add_argument(
         "--mask-floor",
         type=_names,
-        default=(),
+        default=None,
         metavar="LAYERS",
         help="whole layers the device also encrypts, as `--mask-floor` of the coordinator: first-linear, "
         "second-linear, last-linear (comma separated; default none)",
     )
-    p.add_argument(
-        "--pack-size", type=int, default=1, help="mask granularity in values (default 1, the paper's)"
+    s1.add_argument(
+        "--pack-size", type=int, default=None, help="mask granularity in values (default 1, the paper's)"
     )
-    p.add_argument(
+    s1.add_argument(
         "--eta-mi",
         type=float,
-        default=2.0,
+        default=None,
         help="mutual-information bound η_MI in bits (≤ 0: off; default 2)",
     )
     p.add_argument(
         "--attacks",
         type=_names,
         default=None,
-        help=f"comma-separated subset of {','.join(ATTACKS)},sketch (default: {','.join(ATTACKS)}; with "
-        "--sent: analytic,labels,dlg; dlg and sketch need PyTorch)",
+        help=f"comma-separated subset of analytic,labels,dlg,sketch (default analytic,labels,dlg; with "
+        f"--single-step: {','.join(ATTACKS)}, mask among them; dlg and sketch need PyTorch)",
     )
     k = p.add_argument_group("the clustering sketch (--attacks sketch)")
     k.add_argument(
@@ -124,16 +175,14 @@ def add_parser(sub: Any) -> None:
     )
     k.add_argument("--sketch-iterations", type=int, default=2000, help="inversion iterations (default 2000)")
     k.add_argument("--sketch-restarts", type=int, default=4, help="inversion random starts (default 4)")
-    p.add_argument("--sweep", action="store_true", help="also sweep encrypted ratios for each metric")
-    p.add_argument(
+    s1.add_argument("--sweep", action="store_true", help="also sweep encrypted ratios for each metric")
+    s1.add_argument(
         "--ratios",
         type=_floats,
-        default=SWEEP_RATIOS,
+        default=None,
         help="sweep ratios: fractions or percentages (default 0,1%%,2%%,5%%,10%%,20%%,40%%)",
     )
-    p.add_argument(
-        "--sweep-metrics", type=_names, default=SWEEP_METRICS, help="sweep metrics (default: all five)"
-    )
+    s1.add_argument("--sweep-metrics", type=_names, default=None, help="sweep metrics (default: all five)")
     p.add_argument("--lr", type=float, default=0.05, help="the federation's learning rate η (default 0.05)")
     p.add_argument(
         "--dlg-iterations", type=int, default=1500, help="optimisation attack iterations (default 1500)"
@@ -209,6 +258,53 @@ def run_sketch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     return report.to_dict(), report.protected
 
 
+def sent_departures(args: argparse.Namespace) -> list[str]:
+    """Where the sent update's setting departs from :data:`PRODUCT_DEFAULTS`, each with the product's value
+    and, when it leaves more in the clear, "weaker"."""
+    d, out = PRODUCT_DEFAULTS, []
+    budget = d["budget"] if args.budget is None else args.budget
+    if budget != d["budget"]:
+        out.append(f"budget α {budget} (product: {d['budget']}{', weaker' if budget < d['budget'] else ''})")
+    if args.mask != d["mask"]:
+        out.append(f"mask {args.mask} (product: {d['mask']}, weaker)")
+    if args.key_bits != d["key_bits"]:
+        out.append(f"{args.key_bits}-bit keys (product: {d['key_bits']})")
+    if args.model != d["model"]:
+        out.append(f"model {args.model} (product: {d['model']})")
+    if args.noise != d["noise"]:
+        out.append(f"noise Z {args.noise} (product: {d['noise']})")
+    return out
+
+
+def setting_lines(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """The lines that say which setting the verdicts describe, and the same for the JSON document."""
+    d = PRODUCT_DEFAULTS
+    if args.single_step:
+        budget = SINGLE_STEP_BUDGET if args.budget is None else args.budget
+        head = (
+            f"setting: the single-step worst case, weaker than the product's default: one plain-SGD step of "
+            f"{args.batch_size} sample(s), the paper's mask alone at α {budget}, pack size {args.pack_size}, "
+            "the update read whole (no secure aggregation); `fedsdk audit` without --single-step audits "
+            "the product's default"
+        )
+        tail = "(these verdicts are for the single-step worst case, not for the product's default setting)"
+        return [head, tail], {"product_default": False, "mode": "single-step"}
+    departures = sent_departures(args)
+    if departures:
+        head = (
+            f"setting: NOT the product's default: {'; '.join(departures)}; the verdicts below are for this "
+            "setting, `fedsdk audit` without these options audits the default"
+        )
+    else:
+        head = (
+            f"setting: the product's default (strategy {d['strategy']}: mask {d['mask']}, budget α "
+            f"{d['budget']}, {d['key_bits']}-bit keys, model {d['model']}; secure aggregation on, so the "
+            "coordinator reads cluster sums only: this audit attacks one device's update, more than it sees)"
+        )
+    doc = {"product_default": not departures, "mode": "sent", "departures": departures}
+    return [head], doc
+
+
 def run_sent(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     from fedsdk_coordinator.audit import SentAuditConfig, run_sent_audit
     from fedsdk_coordinator.audit.sent import SENT_ATTACKS
@@ -216,7 +312,7 @@ def run_sent(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     x, y, public, _, value_range = _device_data(args)
     config = SentAuditConfig(
         model=args.model,
-        budget=1.0 if args.budget is None else args.budget,
+        budget=PRODUCT_DEFAULTS["budget"] if args.budget is None else args.budget,
         mask=args.mask,
         key_bits=args.key_bits,
         noise=args.noise,
@@ -239,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
     """The sketch audit when ``--attacks`` names ``sketch``, and the update's audit (``--sent`` or not) for
     the other attacks, or all of them when ``--attacks`` is not given. One JSON document (with both, the
     update's with the sketch's under ``"sketch"``) and one exit code."""
+    _check_mode(args)
     attacks = None if args.attacks is None else tuple(args.attacks)
     sketch: dict[str, Any] | None = None
     ok = True
@@ -248,10 +345,39 @@ def run(args: argparse.Namespace) -> int:
         if not attacks:
             return _finish(args, sketch, ok)
         args.attacks = attacks
-    doc, update_ok = run_sent(args) if args.sent else run_update(args)
+    lines, setting = setting_lines(args)
+    print(lines[0])
+    doc, update_ok = run_update(args) if args.single_step else run_sent(args)
+    print("\n".join(lines[1:]), end="\n" if lines[1:] else "")
+    doc = {**doc, "setting": setting}
     if sketch is not None:
         doc = {**doc, "sketch": sketch, "protected": ok and update_ok}
     return _finish(args, doc, ok and update_ok)
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """ConfigError naming the fix for options of the other mode; the single-step defaults filled in."""
+    from fedsdk_coordinator.audit import ATTACKS, SWEEP_METRICS, SWEEP_RATIOS
+
+    if args.single_step and args.sent:
+        raise ConfigError("--sent and --single-step audit different updates: give one of them")
+    bad = sorted(set(args.attacks or ()) - {*ATTACKS, "sketch"})
+    if bad:
+        raise ConfigError(f"unknown attack(s) {', '.join(bad)}; choose from {', '.join(ATTACKS)}, sketch")
+    given = [flag for attr, flag, _ in SINGLE_STEP_ONLY if getattr(args, attr) not in (None, False)]
+    if not args.single_step and "mask" in (args.attacks or ()):
+        given.append("--attacks mask")
+    if given and not args.single_step:
+        raise ConfigError(
+            f"{', '.join(given)} {'belongs' if len(given) == 1 else 'belong'} to the single-step worst "
+            "case: add --single-step (without it, "
+            "fedsdk audit attacks the update a device sends at the product's default)"
+        )
+    for attr, _, default in SINGLE_STEP_ONLY:
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
+    args.ratios = SWEEP_RATIOS if args.ratios is None else args.ratios
+    args.sweep_metrics = SWEEP_METRICS if args.sweep_metrics is None else args.sweep_metrics
 
 
 def run_update(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
@@ -259,7 +385,7 @@ def run_update(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     from fedsdk_coordinator.audit import ATTACKS, AuditConfig, InversionConfig, format_report, run_audit
 
     if args.budget is None:
-        args.budget = 0.1
+        args.budget = SINGLE_STEP_BUDGET
 
     mask = MaskConfig(pack_size=args.pack_size, eta_mi=args.eta_mi if args.eta_mi > 0 else None)
     config = AuditConfig(

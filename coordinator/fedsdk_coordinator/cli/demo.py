@@ -3,7 +3,8 @@
 It starts a coordinator with the embedded broker (mutual TLS with a throw-away PKI unless ``--insecure``),
 splits the handwritten digits among N device *processes* (``fedsdk join``), runs the rounds with the chosen
 privacy strategy, prints each round's accuracy, and writes a JSON summary with per-round accuracy per
-cluster and per-device budgets, encrypted ratios and timings. Under an HE strategy it also makes the
+cluster and per-device budgets, encrypted ratios and timings (to ``--json PATH``, or ``summary.json`` in
+``--workdir``; never into the current folder unasked). Under an HE strategy it also makes the
 federation's HE keys (the coordinator gets the public key only) and, in key mode ``keyserver``, starts a
 key server process.
 
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk.cli._progress import step
-from fedsdk_coordinator.cli._coord import free_port, import_coordinator, serve
+from fedsdk_coordinator.cli._coord import free_port, import_coordinator, run_interruptible, serve
 from fedsdk_coordinator.cli._strategy import add_strategy_options, strategy_kwargs
 
 
@@ -65,7 +66,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--workdir", help="keep data, keys, PKI, state and logs here (default: a temporary folder)"
     )
-    p.add_argument("--json", default="fedsdk-demo-summary.json", metavar="PATH", help="summary file")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the JSON summary here (default: summary.json in --workdir; none without --workdir)",
+    )
     p.add_argument("--insecure", action="store_true", help="plain TCP instead of mutual TLS")
     p.add_argument(
         "--self-audit", action="store_true", help="devices withhold updates their own attack recovers"
@@ -221,15 +227,20 @@ def _run_in(work: Path, args: argparse.Namespace, co: Any) -> int:
         f"broker {'mqtt' if args.insecure else 'mqtts'}://127.0.0.1:{port}"
     )
     url = f"{'mqtt' if args.insecure else 'mqtts'}://127.0.0.1:{port}"
-    summary = asyncio.run(_federate(work, args, co, config, ids, files, extra, url, keys))
+    summary = run_interruptible(
+        lambda: _federate(work, args, co, config, ids, files, extra, url, keys), "demo"
+    )
     summary["elapsed_s"] = round(time.perf_counter() - t_start, 3)
     summary["ground_truth_groups"] = dict(zip(ids, (int(g) for g in part.groups), strict=True))
-    Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    path = Path(args.json) if args.json else (work / "summary.json" if args.workdir else None)
+    if path is not None:
+        path.write_text(json.dumps(summary, indent=2), encoding="utf-8")
     _print_tables(summary)
     acc = summary.get("final_accuracy")
     print(
         f"{summary['state']}: final test accuracy {acc if acc is None else f'{acc:.4f}'}, "
-        f"{summary['elapsed_s']:.1f} s; summary in {args.json}"
+        f"{summary['elapsed_s']:.1f} s; "
+        + (f"summary in {path}" if path else "no summary kept (--json PATH or --workdir DIR keeps it)")
     )
     return 0 if summary["state"] == "finished" else 1
 
@@ -294,7 +305,8 @@ def _print_progress(store: Any, printed: set[tuple[int, int]], total: int) -> No
         acc = r.metrics.get("device_accuracy", r.metrics.get("test_accuracy"))
         print(
             f"round {r.round_id}/{total} cluster {r.cluster_id}: {r.state}, "
-            f"accuracy {'n/a' if acc is None else f'{acc:.4f}'}, {r.num_clients} updates, "
+            f"accuracy {'n/a' if acc is None else f'{acc:.4f}'}, {r.num_clients} "
+            f"update{'' if r.num_clients == 1 else 's'}, "
             f"encrypted {100 * r.metrics.get('encrypted_ratio', 0.0):.1f}%, "
             f"{r.metrics.get('round_s', 0.0):.2f} s"
         )

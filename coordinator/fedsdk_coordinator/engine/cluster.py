@@ -111,8 +111,9 @@ async def run_cluster_round(e: RoundEngine, rnd: RoundState) -> bool:
         metrics=metrics,
     )
     progress.info(
-        "round %d/%d cluster %d: %d updates, %s, %.0f%% encrypted, %.2f s",
-        round_id, c.rounds, cluster_id, agg.num_clients, describe_evaluation(metrics),
+        "round %d/%d cluster %d: %d update%s, %s, %.0f%% encrypted, %.2f s",
+        round_id, c.rounds, cluster_id, agg.num_clients, "" if agg.num_clients == 1 else "s",
+        describe_evaluation(metrics),
         100 * metrics["encrypted_ratio"], metrics["round_s"],
     )  # fmt: skip
     return True
@@ -193,7 +194,7 @@ async def _resume_aggregated(e: RoundEngine, rnd: RoundState, envelope: bytes) -
             },
         )
         progress.info(
-            "round %d/%d cluster %d: %d updates, aggregated before the restart and published again",
-            rnd.round_id, e.config.rounds, rnd.cluster_id, len(valid),
+            "round %d/%d cluster %d: %d update%s, aggregated before the restart and published again",
+            rnd.round_id, e.config.rounds, rnd.cluster_id, len(valid), "" if len(valid) == 1 else "s",
         )  # fmt: skip
     return True

@@ -8,8 +8,11 @@ default    warnings, errors and fedsdk's progress lines (``fedsdk.progress``): o
 ``-vv``    the third-party loggers too (amqtt, transitions, paho, aiohttp, asyncio)
 =========  ==========================================================================================
 
-Below ``-vv`` the third-party loggers stay at WARNING, whatever the root level. Everything goes to stderr,
-so a command's own output on stdout (a table, ``--json``) stays clean.
+Below ``-vv`` the third-party loggers stay at WARNING, whatever the root level, and amqtt at ERROR: its
+warnings are the embedded broker's and its clients' protocol chatter (a peer that closed its socket, a
+discarded QoS 0 message, a PUBACK for a message already done), which fedsdk's own lines say in words where
+it matters (a lost link, a refused connection). Everything goes to stderr, so a command's own output on
+stdout (a table, ``--json``) stays clean.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["OWN", "PROGRESS", "THIRD_PARTY", "configure"]
+__all__ = ["OWN", "PROGRESS", "QUIET_LIBRARIES", "THIRD_PARTY", "configure"]
 
 PROGRESS = "fedsdk.progress"
 OWN = ("fedsdk", "fedsdk_coordinator", "fedsdk_bench")
 THIRD_PARTY = ("amqtt", "transitions", "paho", "aiohttp", "asyncio", "urllib3", "onnxruntime")
+QUIET_LIBRARIES = {"amqtt": logging.ERROR}  # below -vv; the other libraries at WARNING
 DETAIL = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -56,7 +60,8 @@ def configure(verbose: int = 0, *, quiet: bool = False, whole_process: bool | No
             root.addHandler(handler)
         root.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
         for name in THIRD_PARTY:
-            logging.getLogger(name).setLevel(logging.NOTSET if verbose >= 2 else logging.WARNING)
+            quiet_level = QUIET_LIBRARIES.get(name, logging.WARNING)
+            logging.getLogger(name).setLevel(logging.NOTSET if verbose >= 2 else quiet_level)
     for name in OWN:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose >= 1 else logging.NOTSET)
     logging.getLogger(PROGRESS).setLevel(logging.WARNING if quiet else logging.INFO)

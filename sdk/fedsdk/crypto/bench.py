@@ -42,6 +42,7 @@ from phe import paillier as phe_paillier
 from fedsdk.crypto._intmath import HAVE_GMPY2, gmpy2_enabled
 from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.base import HEBackend
+from fedsdk.crypto.fixedpoint import FixedPoint
 from fedsdk.crypto.parallel import usable_cores
 from fedsdk.crypto.registry import available_backends, generate_backend, load_backend
 
@@ -115,6 +116,13 @@ def bench_phe(key_bits: int, sample: int, rng: np.random.Generator) -> dict[str,
     }
 
 
+def product_weights(fixed: FixedPoint, sample_counts: list[int]) -> list[int]:
+    """The weights the product gives devices holding ``sample_counts`` samples in one round: each count
+    over the round's weight unit (:meth:`FixedPoint.weight_unit`), so that they sum to at most T."""
+    unit = fixed.weight_unit(sample_counts)
+    return [fixed.quantise_weight(n, unit) for n in sample_counts]
+
+
 def bench_backend(
     backend: HEBackend, public: HEBackend, n: int, sample: int | None, rng: np.random.Generator
 ) -> dict[str, Any]:
@@ -122,7 +130,7 @@ def bench_backend(
     m = n if sample is None else min(n, sample)
     r = backend.fixed.clip
     xs = [rng.uniform(-1.1 * r, 1.1 * r, m) for _ in range(3)]  # about 9% of values get clipped
-    ws = [int(w) for w in rng.integers(1, min(backend.fixed.max_weight, 5000) + 1, 3)]
+    ws = product_weights(backend.fixed, [int(c) for c in rng.integers(1, 5001, 3)])
     n_packs = backend.num_packs(m)
     if isinstance(backend, PaillierFamily):
         backend.stop_pool()
@@ -356,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10000,100000", help="comma-separated update sizes (values)")
     parser.add_argument("--backends", default=",".join(available_backends()), help="comma-separated backends")
     parser.add_argument(
-        "--json", dest="json_path", default="results/crypto_bench.json", help="where to write the JSON result"
+        "--json", dest="json_path", default=None, metavar="PATH", help="also write the JSON result to PATH"
     )
     parser.add_argument("--key-bits", type=int, default=2048, help="Paillier key size (default 2048)")
     parser.add_argument("--phe-sample", type=int, default=200, help="values timed for the phe baseline")
@@ -378,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     result = run(sizes, backends, key_bits=key_bits, phe_sample=phe_sample, paillier_sample=paillier_sample)
     result["config"]["quick"] = bool(args.quick)
     print(render(result))
-    Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_path).write_text(json.dumps(result, indent=2, default=float) + "\n", encoding="utf-8")
-    print(f"\nJSON written to {args.json_path}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2, default=float) + "\n", encoding="utf-8")
+        print(f"\nJSON written to {args.json_path}")
     return 0 if all(r["correct"] for r in result["results"]) else 1
 
 

@@ -13,7 +13,9 @@ from fedsdk_coordinator.audit import AuditConfig, run_audit, torch_available
 
 def test_cli_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "audit.json"
-    code = main(["audit", "--samples", "2", "--attacks", "analytic,labels,mask", "--json", str(out)])
+    code = main(
+        ["audit", "--single-step", "--samples", "2", "--attacks", "analytic,labels,mask", "--json", str(out)]
+    )
     assert code == 0
     text = capsys.readouterr().out
     for label in (
@@ -36,13 +38,13 @@ def test_cli_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_check_flag_turns_a_leak_into_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["audit", "--samples", "1", "--attacks", "labels", "--check"]) == 1
+    assert main(["audit", "--single-step", "--samples", "1", "--attacks", "labels", "--check"]) == 1
     assert "NOT PROTECTED: label restoration" in capsys.readouterr().out
 
 
 def test_sweep_on_the_cnn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep.json"
-    args = ["audit", "--model", "cnn", "--samples", "2", "--sweep", "--ratios", "0,5%,40%"]
+    args = ["audit", "--single-step", "--model", "cnn", "--samples", "2", "--sweep", "--ratios", "0,5%,40%"]
     args += ["--sweep-metrics", "grad,random", "--attacks", "analytic,labels,mask", "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
@@ -78,7 +80,7 @@ def test_mask_floors_on_the_cnn_and_the_two_layer_attacker(
     gets the feature map (NOT PROTECTED); hiding the second layer too stops both, at 93 % encrypted. The
     labels, read from the last layer, need the last-linear floor."""
     out = tmp_path / "floor.json"
-    args = ["audit", "--model", "cnn", "--samples", "2", "--attacks", "analytic,labels"]
+    args = ["audit", "--single-step", "--model", "cnn", "--samples", "2", "--attacks", "analytic,labels"]
     assert main([*args, "--mask-floor", "first-linear", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "mask floor: first-linear" in text and "device mask (wg, α = 0.1 + first-linear)" in text
@@ -93,13 +95,15 @@ def test_mask_floors_on_the_cnn_and_the_two_layer_attacker(
     assert main([*args, *both, "--check"]) == 0  # every attack that ran is stopped: exit 0
     data = json.loads(out.read_text())
     assert data["rows"][1]["analytic_psnr"] < 12.0 and data["rows"][1]["label_acc"] < 0.5
-    assert main(["audit", "--mask-floor", "middle"]) == 2
+    assert main(["audit", "--single-step", "--mask-floor", "middle"]) == 2
     assert "unknown mask floor" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch_available(), reason="PyTorch is not installed")
 def test_cli_with_the_optimisation_attack(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["audit", "--samples", "1", "--attacks", "dlg", "--dlg-iterations", "5"]) == 0
+    assert (
+        main(["audit", "--single-step", "--samples", "1", "--attacks", "dlg", "--dlg-iterations", "5"]) == 0
+    )
     assert "DLG PSNR" in capsys.readouterr().out
 
 

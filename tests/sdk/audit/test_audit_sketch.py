@@ -169,7 +169,16 @@ def test_cli_sketch_with_another_attack_writes_one_document(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "both.json"
-    args = ["audit", "--attacks", "sketch,labels", "--samples", "1", "--sketch-samples", "16"]
+    args = [
+        "audit",
+        "--single-step",
+        "--attacks",
+        "sketch,labels",
+        "--samples",
+        "1",
+        "--sketch-samples",
+        "16",
+    ]
     args += ["--sketch-iterations", "20", "--sketch-restarts", "1", "--json", str(out), "--check"]
     assert main(args) == 1  # the labels of a single-step update are restored
     text = capsys.readouterr().out
