@@ -28,8 +28,8 @@ def run_interruptible(main: Callable[[], Coroutine[Any, Any, T]], command: str) 
     The first SIGINT or SIGTERM cancels ``main``: its ``async with`` blocks unwind (aiohttp runner cleanup,
     broker link closed, process pools shut down, so multiprocessing's resource tracker finds no leaked
     semaphore), ``asyncio.run`` then cancels what is left and joins its executor, and this raises
-    :class:`KeyboardInterrupt`, which ``fedsdk.cli.main`` turns into exit code 130 (README, "Exit codes").
-    Without this, SIGTERM killed the process (exit 143) with no cleanup at all.
+    :class:`KeyboardInterrupt`, which ``fedsdk.cli.main`` turns into exit code 130 (docs/cli.md). Python's
+    own SIGTERM disposition would end the process (exit 143) with no cleanup at all.
 
     The handlers are installed with ``loop.add_signal_handler`` whatever the inherited disposition: a
     script's ``cmd &`` starts the command with SIGINT ignored (a shell without job control does that, and

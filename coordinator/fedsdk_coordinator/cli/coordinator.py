@@ -190,8 +190,8 @@ def _refuse_ignored_broker_options(args: argparse.Namespace) -> None:
             f"{', '.join(given)} configure the embedded broker, which does not run with --kit (the kit "
             f"connects to {load_kit(kit).broker_url}): drop them, or run the embedded broker without --kit, "
             f"naming the kit's files: --ca {kit}/ca.pem --cert {kit}/client.pem --key {kit}/client.key "
-            f"--he {kit}/he --federation FED, or add --embedded-broker FLEET/broker (certs/README.md, 'Embedded "
-            f"broker')"
+            f"--he {kit}/he --federation FED, or add --embedded-broker FLEET/broker (certs/README.md, "
+            "'Embedded broker')"
         )
 
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedsdk.protocol import Error
+from fedsdk.protocol import Update
 from fedsdk_coordinator.engine.state import RoundState
 
 __all__ = ["PARTS", "PROTECT", "Marks", "time_split"]
@@ -74,7 +74,7 @@ def time_split(rnd: RoundState, marks: Marks, round_s: float) -> dict[str, float
     """The round's ``time_<part>_s`` figures (module docstring); they add up to ``round_s`` (a part is
     never negative; ``unattributed`` takes what the others leave)."""
     part = dict.fromkeys(PARTS, 0.0)
-    updates = {c: m.metrics for c, m in rnd.replies.items() if c in rnd.reply_s and not isinstance(m, Error)}
+    updates = {c: m.metrics for c, m in rnd.replies.items() if c in rnd.reply_s and isinstance(m, Update)}
     reports = {c: r.metrics for c, r in rnd.reports.items() if c in rnd.report_s}
     arrived = [rnd.reply_s[c] for c in updates]
     if arrived:

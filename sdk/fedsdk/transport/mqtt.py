@@ -227,9 +227,10 @@ class MqttTransport:
                         raise TransportClosed("transport closed while connecting") from exc
                     pause = jitter(delay)
                     if exc.permanent or loop.time() + pause >= deadline:
+                        hint = f" (tried for {wait:.0f} s: is the broker running there?)"
+                        hint = "" if exc.permanent else hint
                         raise ConnectError(
-                            f"cannot connect to {self.host}:{self.port}: {exc.reason}"
-                            + ("" if exc.permanent else f" (tried for {wait:.0f} s: is the broker running there?)")
+                            f"cannot connect to {self.host}:{self.port}: {exc.reason}{hint}"
                         ) from exc
                     if delay == self._reconnect_min:
                         progress.info("waiting for the broker at %s:%d (%s), up to %.0f s", self.host,
