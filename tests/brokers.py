@@ -314,6 +314,24 @@ class EmbeddedBrokerThread:
         return self._log.getvalue()
 
 
+def fleet_embedded_broker(root: Path, port: int, *, federation: str, key_mode: str) -> EmbeddedBrokerThread:
+    """The embedded broker started with the broker files of the fleet folder ``root`` (``fedsdk
+    provision``), on ``port``."""
+    from fedsdk_coordinator import EmbeddedBrokerConfig
+
+    files = root / "broker"
+    config = EmbeddedBrokerConfig(
+        port=port,
+        ca_file=str(files / "ca.pem"),
+        cert_file=str(files / "server.pem"),
+        key_file=str(files / "server.key"),
+        crl_file=str(files / "crl.pem"),
+    )
+    thread = EmbeddedBrokerThread(config, federation=federation, key_mode=key_mode)
+    thread.start()
+    return thread
+
+
 def require_mosquitto() -> None:
     """Skip a broker test where mosquitto is missing; in CI (``CI`` set), fail instead."""
     import pytest

@@ -33,6 +33,7 @@ from brokers import (
     MosquittoProcess,
     Recorder,
     find_mosquitto,
+    fleet_embedded_broker,
     free_port,
 )
 from fedsdk.errors import ConnectError, TransportError
@@ -77,18 +78,7 @@ def _start(tmp: Path, kind: str) -> FleetBroker:
     }
     provision(fleet_from_mapping(fleet), root)
     if kind == "embedded":
-        from fedsdk_coordinator import EmbeddedBrokerConfig
-
-        files = root / "broker"
-        config = EmbeddedBrokerConfig(
-            port=port,
-            ca_file=str(files / "ca.pem"),
-            cert_file=str(files / "server.pem"),
-            key_file=str(files / "server.key"),
-            crl_file=str(files / "crl.pem"),
-        )
-        thread = EmbeddedBrokerThread(config, federation=FED, key_mode="keyserver")
-        thread.start()
+        thread = fleet_embedded_broker(root, port, federation=FED, key_mode="keyserver")
         return FleetBroker(root, kind, thread)
     binary = find_mosquitto()
     assert binary is not None

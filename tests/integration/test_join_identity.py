@@ -21,7 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from brokers import BrokerStartError, EmbeddedBrokerThread, MosquittoProcess, find_mosquitto, free_port
+from brokers import (
+    BrokerStartError,
+    EmbeddedBrokerThread,
+    MosquittoProcess,
+    find_mosquitto,
+    fleet_embedded_broker,
+    free_port,
+)
 from fedsdk.errors import TransportError
 from fedsdk.model.data import save_npz
 from fedsdk.transport import MqttTransport
@@ -66,18 +73,7 @@ def _start(tmp: Path, kind: str) -> Fleet:
     save_npz(data, np.zeros((4, 64), np.float32), np.arange(4) % 10)
     broker: MosquittoProcess | EmbeddedBrokerThread
     if kind == "embedded":
-        from fedsdk_coordinator import EmbeddedBrokerConfig
-
-        files = root / "broker"
-        config = EmbeddedBrokerConfig(
-            port=port,
-            ca_file=str(files / "ca.pem"),
-            cert_file=str(files / "server.pem"),
-            key_file=str(files / "server.key"),
-            crl_file=str(files / "crl.pem"),
-        )
-        broker = EmbeddedBrokerThread(config, federation=FED, key_mode="shared")
-        broker.start()
+        broker = fleet_embedded_broker(root, port, federation=FED, key_mode="shared")
         return Fleet(root, kind, broker, data)
     binary = find_mosquitto()
     assert binary is not None
