@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from brokers import MosquittoProcess, _mosquitto_config, require_mosquitto
-from fedsdk.errors import ConnectError
+from fedsdk.errors import ConfigError, ConnectError
 from fedsdk.transport import MqttTransport
 from fedsdk_coordinator.mosquitto import find_mosquitto, free_port
 from fedsdk_coordinator.pki import DevPki
@@ -51,3 +53,20 @@ async def test_a_broker_that_never_comes_up_is_named_with_what_to_check(dev_pki:
     with pytest.raises(ConnectError, match=rf"127.0.0.1:{port}.*tried for 2 s: is the broker running there"):
         await transport.connect(2.0)
     await transport.close()
+
+
+@pytest.mark.parametrize("wait", [0.0, -1.0, float("nan")])
+async def test_a_wait_that_is_not_positive_is_refused_by_name(dev_pki: DevPki, wait: float) -> None:
+    transport = MqttTransport("127.0.0.1", free_port(), client_id="dev1", tls=dev_pki.tls_for("dev1"))
+    with pytest.raises(ConfigError, match="connect wait must be > 0"):
+        await transport.connect(wait)
+    await transport.close()
+
+
+def test_join_names_its_option_for_a_wait_that_is_not_positive(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedsdk", "join", "mqtt://127.0.0.1:1", "--insecure", "--data", "x.npz",
+         "--connect-wait", "0"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--connect-wait 0.0" in proc.stderr, proc.stderr

@@ -262,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
     from fedsdk.conditions import RunConditions
     from fedsdk.model.data import hold_out, load_data
 
+    if not args.connect_wait > 0:
+        raise ConfigError(f"--connect-wait {args.connect_wait}: give the seconds to wait for the broker, > 0")
     given = settings(args)
     broker, client_id, federation, tls = given.broker, given.client_id, given.federation, given.tls
     labels = column_names(args.label_column)

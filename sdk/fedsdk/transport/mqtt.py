@@ -205,6 +205,8 @@ class MqttTransport:
         link = self._link
         if link.state is not State.UNOPENED:
             raise StateError(f"connect() on a transport that is {link.state.value}")
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"the connect wait must be > 0 seconds, got {timeout}")
         link.state = State.CONNECTING
         loop = asyncio.get_running_loop()
         link.start(loop)
