@@ -47,8 +47,8 @@ Decisions beyond the brief (DESIGN.md, "Transport"):
 
 from __future__ import annotations
 
+import getpass
 import os
-import pwd
 from string import Template
 
 from fedsdk._chunking import MAX_MESSAGE_BYTES, max_packet_bytes
@@ -259,10 +259,15 @@ def render_mosquitto_conf(
 
 
 def current_user() -> str:
-    """The name of the user this process runs as; ``mosquitto`` when it has none (a bare container uid)."""
+    """The name of the user this process runs as; ``mosquitto`` when it has none (a bare container uid).
+    ``getpass`` rather than ``pwd``, which Windows lacks: an operator may provision there."""
     try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
+        if hasattr(os, "geteuid"):
+            import pwd
+
+            return pwd.getpwuid(os.geteuid()).pw_name
+        return getpass.getuser()
+    except (KeyError, OSError):
         return "mosquitto"
 
 
