@@ -272,3 +272,16 @@ def test_the_demos_device_table_prints_no_nan_for_a_step_that_did_not_run(
     assert "nan" not in out.lower() and "step times in seconds" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("d0"))
     assert row.split().count("-") == len(TIMINGS) - len(ran) == 2
+
+
+def test_the_sketch_size_help_names_the_engines_defaults() -> None:
+    """The help of --sketch-dim names the engine's defaults (it said 128 while the code used 256)."""
+    import argparse
+
+    from fedsdk_coordinator.cli._strategy import add_strategy_options
+    from fedsdk_coordinator.engine.config import SKETCH_DIM, SKETCH_DIM_DP
+
+    p = argparse.ArgumentParser()
+    add_strategy_options(p)
+    text = " ".join(p.format_help().split())
+    assert f"(default {SKETCH_DIM}, or {SKETCH_DIM_DP} with --dp-epsilon" in text, text

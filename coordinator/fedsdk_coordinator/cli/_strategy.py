@@ -22,6 +22,7 @@ def add_strategy_options(
 ) -> None:
     """The strategy options; ``default`` None leaves ``--strategy`` to the command (``default_help`` says
     what it then picks)."""
+    from fedsdk_coordinator.engine.config import SKETCH_DIM, SKETCH_DIM_DP
     from fedsdk_coordinator.strategies import STRATEGIES  # the registered ones, plugins included
 
     g = p.add_argument_group("privacy strategy")
@@ -46,8 +47,8 @@ def add_strategy_options(
         type=int,
         default=None,
         metavar="N",
-        help="values per sensitivity sketch, a multiple of 8 (default 128, or 32 with --dp-epsilon; "
-        "docs/clustering.md)",
+        help=f"values per sensitivity sketch, a multiple of 8 (default {SKETCH_DIM}, or {SKETCH_DIM_DP} with "
+        "--dp-epsilon; docs/clustering.md)",
     )
     g.add_argument(
         "--recluster-after",
