@@ -314,6 +314,37 @@ class EmbeddedBrokerThread:
         return self._log.getvalue()
 
 
+def provision_loopback_fleet(
+    root: Path,
+    port: int,
+    *,
+    federation: str,
+    devices: list[str],
+    key_mode: str,
+    persist: Path,
+    hosts: tuple[str, ...] = ("127.0.0.1",),
+) -> None:
+    """``fedsdk provision`` of a test fleet into ``root``: its broker on ``port`` of loopback, its mosquitto
+    files in ``root/broker``, persistence in ``persist``, 1024-bit packed Paillier to keep tests short."""
+    from fedsdk_coordinator.provision import fleet_from_mapping, provision
+
+    fleet = {
+        "federation": federation,
+        "devices": devices,
+        "coordinator": {"host": "127.0.0.1"},
+        "broker": {
+            "hosts": list(hosts),
+            "port": port,
+            "bind": "127.0.0.1",
+            "config_dir": str(root / "broker"),
+            "persistence_dir": str(persist) + "/",
+        },
+        "key_mode": key_mode,
+        "he": {"backend": "packed", "options": {"key_bits": 1024}},
+    }
+    provision(fleet_from_mapping(fleet), root)
+
+
 def fleet_embedded_broker(root: Path, port: int, *, federation: str, key_mode: str) -> EmbeddedBrokerThread:
     """The embedded broker started with the broker files of the fleet folder ``root`` (``fedsdk
     provision``), on ``port``."""

@@ -35,12 +35,13 @@ from brokers import (
     find_mosquitto,
     fleet_embedded_broker,
     free_port,
+    provision_loopback_fleet,
 )
 from fedsdk.errors import ConnectError, TransportError
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.transport import Message, MqttTransport, TlsConfig
 from fedsdk_coordinator.pki import make_dev_pki
-from fedsdk_coordinator.provision import Kit, fleet_from_mapping, load_kit, provision, revoke_device
+from fedsdk_coordinator.provision import Kit, load_kit, revoke_device
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
@@ -62,21 +63,10 @@ class FleetBroker:
 def _start(tmp: Path, kind: str) -> FleetBroker:
     port = free_port()
     root = tmp / f"fleet-{port}"
-    fleet = {
-        "federation": FED,
-        "devices": list(DEVICES),
-        "coordinator": {"host": "127.0.0.1"},
-        "broker": {
-            "hosts": ["127.0.0.1", "localhost"],
-            "port": port,
-            "bind": "127.0.0.1",
-            "config_dir": str(root / "broker"),
-            "persistence_dir": str(tmp / "persist") + "/",
-        },
-        "key_mode": "keyserver",
-        "he": {"backend": "packed", "options": {"key_bits": 1024}},
-    }
-    provision(fleet_from_mapping(fleet), root)
+    provision_loopback_fleet(
+        root, port, federation=FED, devices=list(DEVICES), key_mode="keyserver", persist=tmp / "persist",
+        hosts=("127.0.0.1", "localhost"),
+    )  # fmt: skip
     if kind == "embedded":
         thread = fleet_embedded_broker(root, port, federation=FED, key_mode="keyserver")
         return FleetBroker(root, kind, thread)

@@ -28,11 +28,12 @@ from brokers import (
     find_mosquitto,
     fleet_embedded_broker,
     free_port,
+    provision_loopback_fleet,
 )
 from fedsdk.errors import TransportError
 from fedsdk.model.data import save_npz
 from fedsdk.transport import MqttTransport
-from fedsdk_coordinator.provision import fleet_from_mapping, load_kit, provision
+from fedsdk_coordinator.provision import load_kit
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
 
@@ -54,21 +55,9 @@ class Fleet:
 def _start(tmp: Path, kind: str) -> Fleet:
     port = free_port()
     root = tmp / f"fleet-{port}"
-    fleet = {
-        "federation": FED,
-        "devices": ["a", "b"],
-        "coordinator": {"host": "127.0.0.1"},
-        "broker": {
-            "hosts": ["127.0.0.1"],
-            "port": port,
-            "bind": "127.0.0.1",
-            "config_dir": str(root / "broker"),
-            "persistence_dir": str(tmp / "persist") + "/",
-        },
-        "key_mode": "shared",
-        "he": {"backend": "packed", "options": {"key_bits": 1024}},
-    }
-    provision(fleet_from_mapping(fleet), root)
+    provision_loopback_fleet(
+        root, port, federation=FED, devices=["a", "b"], key_mode="shared", persist=tmp / "persist"
+    )
     data = tmp / "d.npz"
     save_npz(data, np.zeros((4, 64), np.float32), np.arange(4) % 10)
     broker: MosquittoProcess | EmbeddedBrokerThread

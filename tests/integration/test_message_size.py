@@ -30,7 +30,14 @@ from pathlib import Path
 import pytest
 
 import brokers
-from brokers import EmbeddedBrokerThread, MosquittoProcess, Recorder, find_mosquitto, free_port
+from brokers import (
+    EmbeddedBrokerThread,
+    MosquittoProcess,
+    Recorder,
+    find_mosquitto,
+    free_port,
+    provision_loopback_fleet,
+)
 from fedsdk._chunking import HEADER_SIZE
 from fedsdk.errors import TransportTimeout
 from fedsdk.protocol.envelope import Limits
@@ -42,7 +49,7 @@ from fedsdk.transport import (
     max_packet_bytes,
 )
 from fedsdk_coordinator.mosquitto import LoopbackMosquitto
-from fedsdk_coordinator.provision import Kit, fleet_from_mapping, load_kit, provision
+from fedsdk_coordinator.provision import Kit, load_kit
 from fedsdk_coordinator.provision.mosquitto import (
     MOSQUITTO_CONF_TEMPLATE,
     render_in_place_conf,
@@ -90,21 +97,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
     tmp = tmp_path_factory.mktemp("size")
     port = free_port()
     root = tmp / "fleet"
-    spec = {
-        "federation": FED,
-        "devices": ["a", "b"],
-        "coordinator": {"host": "127.0.0.1"},
-        "broker": {
-            "hosts": ["127.0.0.1"],
-            "port": port,
-            "bind": "127.0.0.1",
-            "config_dir": str(root / "broker"),
-            "persistence_dir": str(tmp / "persist") + "/",
-        },
-        "key_mode": "shared",
-        "he": {"backend": "packed", "options": {"key_bits": 1024}},
-    }
-    provision(fleet_from_mapping(spec), root)
+    provision_loopback_fleet(
+        root, port, federation=FED, devices=["a", "b"], key_mode="shared", persist=tmp / "persist"
+    )
     (tmp / "persist").mkdir()
     return Fleet(root, port)
 
