@@ -52,3 +52,20 @@ def test_the_weight_unit_is_one_for_float_updates_and_grows_when_the_samples_ove
     bound = fixed.max_total
     assert weight_unit(fixed, [1, 2]) == 1
     assert weight_unit(fixed, [bound, bound]) >= 2
+
+
+def test_under_the_share_encoding_the_plan_and_the_task_carry_a_weight_multiplier(
+    public: dict[str, HEBackend],
+) -> None:
+    """Devices of few samples get weights near T between them, so that the mean's resolution under the share
+    encoding (``fedsdk.crypto.share``) does not fall with their sample count."""
+    he = public["packed"]
+    assert he.fixed.share
+    s = strategy("fedsdk")(RoundConfig(strategy="fedsdk"), he, SHAPES)
+    fast = Measured(he_values_per_s=1e7, uplink_bytes_per_s=1e8, train_s=0.01)
+    samples = {"a": 10, "b": 20, "c": 5}
+    (rnd,) = plan_rounds(3, {0: ["a", "b", "c"]}, s, dict.fromkeys(samples, fast), samples)
+    assert rnd.weight_unit == 1 and rnd.weight_mult == (he.fixed.max_total - 3) // 35
+    weights = [he.fixed.quantise_weight(n, 1, rnd.weight_mult) for n in samples.values()]
+    assert he.fixed.max_total / 2 < sum(weights) <= he.fixed.max_total
+    assert rnd.as_plan().weight_mult == rnd.weight_mult

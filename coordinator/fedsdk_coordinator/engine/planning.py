@@ -72,11 +72,13 @@ def plan_rounds(
     for k, members in sorted(groups.items()):
         shares = strategy.shares(ClusterPlan(members, k, measured))
         budgets = strategy.budgets(ClusterPlan(members, k, measured, shares))
-        unit = weight_unit(strategy.fixed, [samples.get(cid, 1) for cid in members])
+        counts = [samples.get(cid, 1) for cid in members]
+        unit = weight_unit(strategy.fixed, counts)
+        mult = 1 if strategy.fixed is None or unit > 1 else strategy.fixed.weight_mult(counts)
         session = secrets.token_hex(8) if strategy.secagg else ""
         rounds.append(
             RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit,
-                       session=session)
+                       session=session, weight_mult=mult)
         )  # fmt: skip
     return rounds
 

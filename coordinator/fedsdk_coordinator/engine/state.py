@@ -37,6 +37,7 @@ class RoundState:
     union_packs: int = 0  # encrypted packs of the aggregate (what each device decrypts in key mode shared)
     shares: dict[str, tuple[float, float]] = field(default_factory=dict)  # cooperative decryption (coop.py)
     weight_unit: int = 1  # samples per unit of FedAvg weight under HE (FixedPoint.weight_unit)
+    weight_mult: int = 1  # weight units per sample under the share encoding (FixedPoint.weight_mult)
     shared: set[str] = field(default_factory=set)  # devices whose decryption share was taken
     share_expect: set[str] = field(default_factory=set)  # devices with a non-empty part of the union
     share_buffer: list[DecryptShare] = field(default_factory=list)  # shares held for the bundle (coop.py)
@@ -95,14 +96,20 @@ class RoundState:
         """What the store keeps of this round's plan (before its tasks go out)."""
         participants = tuple(sorted(self.participants))
         return RoundPlan(
-            self.round_id, self.cluster_id, participants, self.budgets, self.weight_unit, self.session
+            self.round_id,
+            self.cluster_id,
+            participants,
+            self.budgets,
+            self.weight_unit,
+            self.session,
+            self.weight_mult,
         )
 
     @classmethod
     def restored(cls, stored: StoredRound, phase: str = "train") -> RoundState:
         p = stored.plan
         rnd = cls(p.round_id, p.cluster_id, set(p.participants), time.monotonic(), dict(p.budgets), phase)
-        rnd.weight_unit, rnd.session = p.weight_unit, p.session
+        rnd.weight_unit, rnd.session, rnd.weight_mult = p.weight_unit, p.session, p.weight_mult
         for cid, (msg, env) in stored.replies.items():
             rnd.replies[cid], rnd.raw[cid] = msg, env
         rnd.check_done()

@@ -74,6 +74,8 @@ def make_task(
     this_round = phase == "train" and planned is not None and planned.round_id == round_id
     if this_round and planned is not None and planned.weight_unit > 1:
         config["weight_unit"] = planned.weight_unit
+    if this_round and planned is not None and planned.weight_mult > 1:
+        config["weight_mult"] = planned.weight_mult
     if this_round and planned is not None and planned.session:
         config["secagg_session"] = planned.session  # the round is masked (fedsdk.secagg)
     if this_round and planned is not None and client_id in planned.shares:

@@ -130,6 +130,8 @@ class StoreBase:
             self._db.execute("ALTER TABLE round_plan ADD COLUMN weight_unit INTEGER NOT NULL DEFAULT 1")
         if "session" not in columns:  # a store written before secure aggregation: no round was masked
             self._db.execute("ALTER TABLE round_plan ADD COLUMN session TEXT NOT NULL DEFAULT ''")
+        if "weight_mult" not in columns:  # a store written before the share encoding: no multiplier
+            self._db.execute("ALTER TABLE round_plan ADD COLUMN weight_mult INTEGER NOT NULL DEFAULT 1")
 
     def __enter__(self: _S) -> _S:
         return self

@@ -48,6 +48,7 @@ class RoundPlan:
     budgets: Mapping[str, float]
     weight_unit: int = 1  # samples per unit of FedAvg weight under HE (FixedPoint.weight_unit)
     session: str = ""  # the round's secure-aggregation session id ("": unmasked)
+    weight_mult: int = 1  # weight units per sample, share encoding (FixedPoint.weight_mult)
 
 
 @dataclass(frozen=True)

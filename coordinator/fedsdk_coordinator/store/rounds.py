@@ -29,7 +29,7 @@ class RoundTables(StoreBase):
             for p in plans:
                 db.execute(
                     "INSERT OR REPLACE INTO round_plan(round_id, cluster_id, participants, budgets, "
-                    "weight_unit, session) VALUES (?, ?, ?, ?, ?, ?)",
+                    "weight_unit, session, weight_mult) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         p.round_id,
                         p.cluster_id,
@@ -37,6 +37,7 @@ class RoundTables(StoreBase):
                         json.dumps({c: float(b) for c, b in p.budgets.items()}, sort_keys=True),
                         int(p.weight_unit),
                         p.session,
+                        int(p.weight_mult),
                     ),
                 )
                 if p.round_id > 0:  # the sketch round (0) is not a training round: no rounds row
@@ -48,13 +49,20 @@ class RoundTables(StoreBase):
 
     def round_plans(self, round_id: int) -> list[RoundPlan]:
         rows = self.db.execute(
-            "SELECT cluster_id, participants, budgets, weight_unit, session FROM round_plan WHERE round_id=? "
+            "SELECT cluster_id, participants, budgets, weight_unit, session, weight_mult FROM round_plan "
+            "WHERE round_id=? "
             "ORDER BY cluster_id",
             (round_id,),
         ).fetchall()
         return [
             RoundPlan(
-                round_id, int(r[0]), tuple(json.loads(r[1])), dict(json.loads(r[2])), int(r[3]), str(r[4])
+                round_id,
+                int(r[0]),
+                tuple(json.loads(r[1])),
+                dict(json.loads(r[2])),
+                int(r[3]),
+                str(r[4]),
+                int(r[5]),
             )
             for r in rows
         ]

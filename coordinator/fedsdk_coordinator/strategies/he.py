@@ -104,9 +104,10 @@ class HEStrategy(Strategy):
             raise ValidationError("wrong_key", "ciphertexts under another key")
         if msg.n_values != self.n_values or msg.pack_mask.size != he.num_packs(self.n_values):
             raise ValidationError("wrong_shape", f"{msg.n_values} values, the model has {self.n_values}")
-        if msg.weight != he.fixed.quantise_weight(msg.num_samples, unit):
+        if msg.weight != he.fixed.quantise_weight(msg.num_samples, unit, rnd.weight_mult):
             raise ValidationError(
-                "bad_field", f"the FedAvg weight must be the sample count in units of {unit} samples"
+                "bad_field",
+                f"the FedAvg weight must be the sample count times {rnd.weight_mult} in units of {unit} samples",
             )
         # The contents too, on receipt: a weight past the slot headroom, an encoded plaintext slot out of
         # range or a ciphertext >= n^2 would otherwise only fail at aggregation, taking the honest devices'

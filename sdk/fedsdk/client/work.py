@@ -30,6 +30,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.client.masking import session_of
 from fedsdk.client.state import DeviceState, model_input, run_of
+from fedsdk.crypto.fixedpoint import FixedPoint
 from fedsdk.crypto.pool import auto_capacity
 from fedsdk.errors import ConfigError, TrainingError, UpdateWithheld, ValidationError
 from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
@@ -47,12 +48,16 @@ Base = list[np.ndarray]
 BlindFor = Callable[[Task, MaskRing, int], Any]  # a masked round's mask vector (client/masking.py)
 
 
-def _weight_unit(config: Mapping[str, Any]) -> int:
-    """Samples per unit of FedAvg weight in this round (``FixedPoint.weight_unit``; 1 when not given)."""
-    unit = config.get("weight_unit", 1)
-    if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
-        raise ValidationError("bad_field", f"weight_unit must be a positive integer, got {unit!r}")
-    return unit
+def _weight(fixed: FixedPoint, num_samples: int, config: Mapping[str, Any]) -> int:
+    """This device's FedAvg weight in the round: its sample count times the round's ``weight_mult`` over its
+    ``weight_unit`` (``FixedPoint.weight_unit``, ``weight_mult``; each 1 when not given)."""
+    given = []
+    for name in ("weight_unit", "weight_mult"):
+        v = config.get(name, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValidationError("bad_field", f"{name} must be a positive integer, got {v!r}")
+        given.append(v)
+    return fixed.quantise_weight(num_samples, given[0], given[1])
 
 
 class Work:
@@ -257,7 +262,7 @@ class Work:
         audit = self.check_own_update(task, base, flat, hidden if session is None else None, masked=session)
         metrics.update(audit)
         record.update(audit)
-        weight = he.fixed.quantise_weight(result.num_samples, _weight_unit(task.config))
+        weight = _weight(he.fixed, result.num_samples, task.config)
         vector = None
         if session is not None and blind is not None:
             vector = self._blind(task, blind, he.mask_ring(), he.mask_count(flat.size), metrics)
@@ -307,7 +312,7 @@ class Work:
         audit = self.check_own_update(task, base, flat, None, masked=session)
         metrics.update(audit)
         record.update(audit)
-        weight = PLAIN_FIXED.quantise_weight(result.num_samples, _weight_unit(task.config))
+        weight = _weight(PLAIN_FIXED, result.num_samples, task.config)
         vector = self._blind(task, blind, RING32, flat.size, metrics)
         t0 = time.perf_counter()
         codes, moved = encode_masked(flat, weight, PLAIN_FIXED, vector)

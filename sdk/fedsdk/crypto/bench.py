@@ -170,8 +170,9 @@ def bench_backend(
     ref = sum(w * np.clip(x, -r, r) for x, w in zip(xs, ws, strict=True)) / sum(ws)
     err = float(np.max(np.abs(out - ref)))
     row["max_error"] = err
-    row["quantisation_bound"] = backend.quantisation_bound
-    row["correct"] = err <= backend.quantisation_bound
+    bound = backend.fixed.error_bound(3, sum(ws))
+    row["quantisation_bound"] = bound
+    row["correct"] = err <= bound
     if isinstance(backend, PaillierFamily):
         row.update(cpu_per_million(backend, xs[0], ws[0], agg, m))
     return row

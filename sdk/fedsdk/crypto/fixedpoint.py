@@ -48,6 +48,7 @@ def clip_values(values: np.ndarray, clip: float) -> tuple[np.ndarray, int]:
 
 
 DEFAULT_TOTAL_WEIGHT = 8191
+ENCODINGS = ("weighted", "share")
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,13 @@ class FixedPoint:
     max_weight: int = 65_535
     max_devices: int = 1024
     max_total_weight: int | None = DEFAULT_TOTAL_WEIGHT
+    encoding: str = "weighted"  # or "share" (packed Paillier only: fedsdk.crypto.share)
 
     def __post_init__(self) -> None:
+        if self.encoding not in ENCODINGS:
+            raise ConfigError(f"encoding must be one of {', '.join(ENCODINGS)}, got {self.encoding!r}")
+        if self.encoding == "share" and self.max_total_weight is None:
+            raise ConfigError("the share encoding needs max_total_weight (T)")
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise ConfigError(f"clip range R must be a positive finite number, got {self.clip!r}")
         if not (0 <= int(self.frac_bits) <= 52) or int(self.frac_bits) != self.frac_bits:
@@ -120,6 +126,25 @@ class FixedPoint:
         return cls(**p)
 
     @property
+    def share(self) -> bool:
+        """Whether updates are encoded as shares of the aggregate (``fedsdk.crypto.share``)."""
+        return self.encoding == "share"
+
+    def params(self) -> dict[str, Any]:
+        """The bounds as stored with a key (``encoding`` only when it is not the original ``weighted``, so
+        that the parameters of keys made before it are unchanged)."""
+        out: dict[str, Any] = {
+            "clip": self.clip,
+            "frac_bits": self.frac_bits,
+            "max_weight": self.max_weight,
+            "max_devices": self.max_devices,
+            "max_total_weight": self.max_total_weight,
+        }
+        if self.share:
+            out["encoding"] = self.encoding
+        return out
+
+    @property
     def max_total(self) -> int:
         """The largest sum of the weights inside one aggregate: T, or D_max·W_max for keys without T."""
         if self.max_total_weight is not None:
@@ -128,7 +153,10 @@ class FixedPoint:
 
     @property
     def max_slot_sum(self) -> int:
-        """max_total * U: the largest sum a slot can ever hold (the headroom bound)."""
+        """The largest sum a slot can ever hold (the headroom bound): T·U, or under the share encoding
+        2·(O + D_max), the width of the signed range ``|Σ q| <= O + D_max`` (``fedsdk.crypto.share``)."""
+        if self.share:
+            return 2 * (self.offset + int(self.max_devices))
         return self.max_total * self.max_code
 
     @property
@@ -138,8 +166,19 @@ class FixedPoint:
 
     @property
     def quantisation_bound(self) -> float:
-        """2**-(f+1): largest error of the decoded weighted mean against exact FedAvg of clipped values."""
+        """2**-(f+1): largest error of the decoded weighted mean against exact FedAvg of clipped values;
+        under the share encoding the bound of one device of weight T (:meth:`error_bound`)."""
+        if self.share:
+            return self.error_bound(1, self.max_total)
         return 2.0 ** -(int(self.frac_bits) + 1)
+
+    def error_bound(self, n_devices: int, total_weight: int) -> float:
+        """Largest error of a decoded mean of ``n_devices`` updates of total weight W against exact FedAvg
+        of the clipped values (their error feedback aside): 2**-(f+1) for the weighted encoding; for the
+        share encoding each device's stochastic rounding is below one code, so ``D·T / (W·2**f)``."""
+        if not self.share:
+            return self.quantisation_bound
+        return int(n_devices) * self.max_total / (float(total_weight) * self.scale)
 
     def check_weight(self, weight: int) -> int:
         """Return ``weight`` as an int if ``1 <= weight <= max_weight``, else raise :class:`EncodingError`."""
@@ -181,10 +220,20 @@ class FixedPoint:
         device_unit = -(-max(counts) // int(self.max_weight))
         return max(1, total_unit, device_unit)
 
+    def weight_mult(self, sample_counts: Sequence[int]) -> int:
+        """Under the share encoding, weight units per sample for a round whose weight unit is 1: the largest
+        m with ``m·Σ n ≤ T − D`` and ``m·max n ≤ max_weight``, so that the round's total weight W is near
+        T and the mean's resolution ``2**-f·T/W`` (``fedsdk.crypto.share``) within a factor of 2 of
+        ``2**-f``; 1 for the weighted encoding, whose resolution does not depend on W."""
+        counts = [max(1, int(n)) for n in sample_counts]
+        if not self.share or not counts or len(counts) >= self.max_total:
+            return 1
+        return max(1, min((self.max_total - len(counts)) // sum(counts), int(self.max_weight) // max(counts)))
+
     @staticmethod
-    def quantise_weight(num_samples: int, unit: int) -> int:
-        """A device's weight: its sample count over ``unit`` rounded half up, at least 1."""
-        n, u = int(num_samples), max(1, int(unit))
+    def quantise_weight(num_samples: int, unit: int, mult: int = 1) -> int:
+        """A device's weight: its sample count times ``mult`` over ``unit`` rounded half up, at least 1."""
+        n, u = int(num_samples) * max(1, int(mult)), max(1, int(unit))
         return max(1, (2 * n + u) // (2 * u))
 
     def quantise(self, values: np.ndarray) -> tuple[np.ndarray, int]:

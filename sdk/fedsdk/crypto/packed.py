@@ -53,12 +53,15 @@ from fedsdk.crypto.obfuscator import (
     unpack_coins,
 )
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
+from fedsdk.crypto.share import ErrorFeedback, SignedPacks, share_codes
 from fedsdk.errors import CiphertextError, EncodingError
 from fedsdk.secagg.ring import ModRing
 
 __all__ = ["PackedPaillierBackend"]
 
 MAX_SLOT_BITS = 63  # slot sums are handled as uint64/int64 when decoding
+#: The bounds of new keys: the share encoding (``fedsdk.crypto.share``), R = 0.5, f = 14, 15-bit slots.
+DEFAULT_FIXED: dict[str, Any] = {"encoding": "share", "frac_bits": 14}
 
 
 class _ModNMasks(PaillierFamily):
@@ -134,6 +137,9 @@ class PackedPaillierBackend(_ModNMasks):
         self._plain_nbytes = (k * s + 7) // 8
         self._plain_limit = 1 << (k * s)
         self._prepared: _Prepared | None = None
+        self._signed = SignedPacks(self.fixed, k, s, int(keys.n)) if self.fixed.share else None
+        #: what stochastic rounding left out of this device's last update (share encoding; devices only)
+        self.feedback: ErrorFeedback | None = None
 
     @classmethod
     def generate(
@@ -146,7 +152,7 @@ class PackedPaillierBackend(_ModNMasks):
         **fixed: Any,
     ) -> PackedPaillierBackend:
         keys = PaillierKeys.generate(key_bits, ops=IntOps(fast))
-        return cls(keys, FixedPoint(**fixed), slot_bits=slot_bits, parallel=parallel)
+        return cls(keys, FixedPoint(**{**DEFAULT_FIXED, **fixed}), slot_bits=slot_bits, parallel=parallel)
 
     @classmethod
     def from_bytes(
@@ -169,16 +175,7 @@ class PackedPaillierBackend(_ModNMasks):
 
     @property
     def params(self) -> dict[str, Any]:
-        f = self.fixed
-        return {
-            "clip": f.clip,
-            "frac_bits": f.frac_bits,
-            "max_weight": f.max_weight,
-            "max_devices": f.max_devices,
-            "max_total_weight": f.max_total_weight,
-            "slot_bits": self.slot_bits,
-            "slots": self.slots,
-        }
+        return {**self.fixed.params(), "slot_bits": self.slot_bits, "slots": self.slots}
 
     @property
     def pack_size(self) -> int:
@@ -198,8 +195,14 @@ class PackedPaillierBackend(_ModNMasks):
 
     # ------------------------------------------------------------------ encode / decode
     def encode_codes(self, values: np.ndarray, weight: int) -> tuple[np.ndarray, int, int, int]:
-        """Weighted offset codes ``w·u`` as uint64, shape (packs, k), plus n_values, weight, clipped."""
+        """Weighted offset codes ``w·u`` as uint64, shape (packs, k), plus n_values, weight, clipped; under
+        the share encoding signed codes ``q`` as int64 (``fedsdk.crypto.share``, padding 0)."""
         w = self.fixed.check_weight(weight)
+        if self._signed is not None:
+            q, moved = share_codes(self.fixed, values, w, feedback=self.feedback)
+            padded = np.zeros(self.num_packs(q.size) * self.slots, dtype=np.int64)
+            padded[: q.size] = q
+            return padded.reshape(-1, self.slots), q.size, w, moved
         q, moved = self.fixed.quantise(values)
         n = q.size
         codes = np.full(self.num_packs(n) * self.slots, self.fixed.offset, dtype=np.uint64)  # pad = value 0
@@ -209,12 +212,13 @@ class PackedPaillierBackend(_ModNMasks):
 
     def encode(self, values: np.ndarray, weight: int) -> Encoded:
         codes, n, w, moved = self.encode_codes(values, weight)
-        big = self.ops.from_bytes
-        return Encoded([big(b, "little") for b in pack_slots(codes, self.slot_bits)], n, w, moved)
+        return Encoded(self._pack_ints(self._pack_bytes(codes)), n, w, moved)
 
     def decode(self, packs: Sequence[Any], total_weight: int) -> np.ndarray:
         # one range check over the list and the integers' own to_bytes (int and gmpy2.mpz alike): the
         # slowest devices pay this on their apply step, once a round, for every pack of the union
+        if self._signed is not None:
+            return self._signed.mean(packs, total_weight)
         if packs and (min(packs) < 0 or max(packs) >= self._plain_limit):
             raise CiphertextError("decrypted pack has bits above the slot area: wrong key or corrupted")
         nbytes = self._plain_nbytes
@@ -235,30 +239,37 @@ class PackedPaillierBackend(_ModNMasks):
         """As :meth:`HEBackend.encrypt_update`, but plaintext packs go straight from numpy to bytes."""
         t0 = time.perf_counter()
         codes, n, w, moved = self.encode_codes(values, weight)
-        packed = pack_slots(codes, self.slot_bits)
-        if blind is not None:
-            big = self.ops.from_bytes
+        packed = self._pack_bytes(codes)
+        masked = blind is not None
+        if masked:
             ring = self.mask_ring()
-            packed = [
-                self.masked_plaintext_to_bytes(m) for m in ring.add([big(b, "little") for b in packed], blind)
-            ]
+            packed = [self.masked_plaintext_to_bytes(m) for m in ring.add(self._pack_ints(packed), blind)]
         sel = np.ones(len(packed), dtype=bool) if mask is None else np.asarray(mask, dtype=bool).ravel()
         if sel.size != len(packed):
             raise CiphertextError(f"mask has {sel.size} entries for {len(packed)} packs")
         report = EncodeReport(n, len(packed), int(sel.sum()), w, moved)
         t1 = time.perf_counter()
         report.encode_seconds = t1 - t0
-        big = self.ops.from_bytes
         obfs = self.obfuscators(int(sel.sum()), report)
-        natives = self._encrypt_with([big(packed[i], "little") for i in np.flatnonzero(sel)], obfs)
+        chosen = [packed[i] for i in np.flatnonzero(sel)]
+        natives = self._encrypt_with(self._pack_ints(chosen, masked=masked), obfs)
         cts = tuple(self._ct_bytes(c) for c in natives)
         pts = tuple(packed[i] for i in np.flatnonzero(~sel))
         coins = pack_coins([o.tag for o in obfs])
         report.encrypt_seconds = time.perf_counter() - t1
         report.ciphertext_bytes = len(cts) * self.ciphertext_nbytes
         report.plaintext_bytes = sum(map(len, pts))
-        masked = blind is not None
         return Contribution(self.name, self.key_id, n, w, sel, cts, pts, coins, masked), report
+
+    def _pack_bytes(self, codes: np.ndarray) -> list[bytes]:
+        return pack_slots(codes, self.slot_bits) if self._signed is None else self._signed.clear_bytes(codes)
+
+    def _pack_ints(self, packed: Sequence[bytes], *, masked: bool = False) -> list[Any]:
+        """Packs' integers from their bytes (ring elements when ``masked``; share encoding: signed)."""
+        if masked or self._signed is None:
+            big = self.ops.from_bytes
+            return [big(b, "little") for b in packed]
+        return [self._signed.signed(b, self.ops.big) for b in packed]
 
     def decrypt_ranks(self, agg: Aggregate, ranks: Sequence[int]) -> list[Any]:
         """Raw decryptions of ``agg.ciphertexts[r]`` for ``r`` in ``ranks``.
@@ -379,9 +390,10 @@ class PackedPaillierBackend(_ModNMasks):
         m = self.ops.from_bytes(data, "little")
         if m >= self._plain_limit:
             raise EncodingError("plaintext pack has bits above the slot area: refused, it could overflow")
-        return m
+        return m if self._signed is None else m - self._signed.base
 
     def raw_plaintext_to_bytes(self, p: Any) -> bytes:
+        p = p if self._signed is None else p + self._signed.base
         return self.ops.to_bytes(p, self._plain_nbytes, "little")
 
     def validate_contribution(self, c: Contribution) -> None:
@@ -392,6 +404,9 @@ class PackedPaillierBackend(_ModNMasks):
         if c.masked:
             for p in c.plaintexts:
                 self.masked_plaintext_from_bytes(p)
+            return
+        if self._signed is not None:
+            self._signed.check_clear(c.plaintexts, c.weight)
             return
         if any(len(p) != self._plain_nbytes for p in c.plaintexts):
             raise CiphertextError(f"pack plaintexts must be {self._plain_nbytes} bytes each")

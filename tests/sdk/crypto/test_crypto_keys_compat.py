@@ -45,15 +45,16 @@ def packed(keys: PaillierKeys) -> Iterator[PackedPaillierBackend]:
     b.close()
 
 
-def test_default_backend_is_packed_2048_with_under_7_bytes_per_value() -> None:
+def test_default_backend_is_packed_2048_with_fewer_bytes_per_value_than_float32() -> None:
     with generate_backend() as b:
         assert b.name == DEFAULT_BACKEND == "packed"
         assert isinstance(b, PackedPaillierBackend)
         assert b.keys.key_bits == 2048
-        assert (b.slot_bits, b.slots, b.ciphertext_nbytes) == (26, 78, 512)
-        x = np.linspace(-1, 1, 20 * 78)  # 20 full packs
+        assert b.fixed.share and b.params["encoding"] == "share"
+        assert (b.slot_bits, b.slots, b.ciphertext_nbytes) == (15, 136, 512)
+        x = np.linspace(-1, 1, 20 * 136)  # 20 full packs
         _, report = b.encrypt_update(x, 7)
-        assert report.ciphertext_bytes / x.size == 512 / 78 < 7.0
+        assert report.ciphertext_bytes / x.size == 512 / 136 < 4.0
         assert report.clipped == np.count_nonzero(np.abs(x) > 0.5) > 0
 
 
@@ -193,9 +194,9 @@ assert not b.ops.fast
 pub = load_backend("packed", b.params, b.public_bytes())
 x = np.linspace(-0.5, 0.5, 100)
 masks = np.arange(b.num_packs(100)) % 2 == 0
-cs = [b.encrypt_update(x * s, 2, masks)[0] for s in (1.0, -1.0, 0.5)]
+cs = [b.encrypt_update(x * s, 2730, masks)[0] for s in (1.0, -1.0, 0.5)]
 out = b.decrypt_aggregate(pub.aggregate(cs))
-assert np.abs(out - x / 6).max() <= b.quantisation_bound, np.abs(out - x / 6).max()
+assert np.abs(out - x / 6).max() <= b.fixed.error_bound(3, 3 * 2730), np.abs(out - x / 6).max()
 print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
