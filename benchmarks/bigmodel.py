@@ -65,6 +65,7 @@ from fedsdk.crypto import Contribution, HEBackend, ObfuscatorPool, generate_back
 from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.bench import machine_info
 from fedsdk.crypto.fixedpoint import clip_values
+from fedsdk.crypto.share import ErrorFeedback
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import (
@@ -76,11 +77,12 @@ from fedsdk.protocol import (
     decode,
     encode,
 )
+from fedsdk.secagg.ring import ModRing
 from fedsdk.transport import MAX_MESSAGE_BYTES
 from fedsdk_coordinator.aggregate import fedavg
 from fedsdk_coordinator.models import build_graphs, init_params, preset
 
-ARMS = ("plaintext", "packed", "ckks")
+ARMS = ("plaintext", "fedsdk", "packed", "ckks")
 SEED, ROUND, CLUSTER = 0, 1, 0
 LR, MOMENTUM, BATCH, EPOCHS = 0.05, 0.9, 32, 1  # fedsdk_coordinator.rounds.RoundConfig defaults, 1 epoch
 TASK_SEED = SEED * 100_003 + ROUND  # the task's "seed" for round 1 (RoundConfig.seed · 100003 + round)
@@ -222,8 +224,35 @@ def _wait_full(pool: ObfuscatorPool, count: int, timeout: float = 3600.0) -> Non
         time.sleep(0.02)
 
 
+def product_weights(fixed: Any, devices: list[Device]) -> list[int]:
+    """The FedAvg weights the coordinator gives these devices (unit, and the share encoding's multiplier)."""
+    counts = [d.num_samples for d in devices]
+    unit = fixed.weight_unit(counts)
+    mult = fixed.weight_mult(counts) if unit == 1 else 1
+    return [fixed.quantise_weight(n, unit, mult) for n in counts]
+
+
+def pair_masks(
+    ring: ModRing, n_packs: int, n_devices: int, rng: np.random.Generator
+) -> tuple[list[Any], Any]:
+    """Each device's secure-aggregation mask vector (a pairwise mask with every other device and a self
+    mask, as ``DeviceSession.mask_terms`` expands them) and the coordinator's correction (minus the self
+    masks, which the unmask step reveals)."""
+    seed = lambda: rng.bytes(32)  # noqa: E731
+    pairs = {(i, j): seed() for i in range(n_devices) for j in range(i + 1, n_devices)}
+    selves = [seed() for _ in range(n_devices)]
+    terms = [
+        [(selves[i], 1)] + [(k, 1 if a == i else -1) for (a, b), k in pairs.items() if i in (a, b)]
+        for i in range(n_devices)
+    ]
+    return terms, [(s, -1) for s in selves]
+
+
 def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: int) -> dict[str, Any]:
-    """Steps 2-5 under HE backend ``name`` with every pack encrypted."""
+    """Steps 2-5 under HE backend ``name`` with every pack encrypted; ``fedsdk``: packed Paillier with the
+    secure-aggregation masks on every pack as well (the product's default protection)."""
+    masked = name == "fedsdk"
+    name = "packed" if masked else name
     t0 = time.perf_counter()
     with generate_backend(name, **({"key_bits": key_bits} if name != "ckks" else {})) as keys:
         params, public_bytes, secret_bytes = keys.params, keys.public_bytes(), keys.secret_bytes()
@@ -231,13 +260,21 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
     shapes = [tuple(w.shape) for w in base]
     n_values = sum(int(np.prod(s)) for s in shapes)
     hes = [load_backend(name, params, public_bytes, secret_bytes) for _ in devices]  # key mode shared
-    pack, bound, n_packs = hes[0].pack_size, hes[0].quantisation_bound, hes[0].num_packs(n_values)
+    pack, n_packs = hes[0].pack_size, hes[0].num_packs(n_values)
+    weights = product_weights(hes[0].fixed, devices)
+    bound = hes[0].fixed.error_bound(len(devices), sum(weights))
+    terms: list[Any] = [None] * len(devices)
+    correction_terms: list[Any] = []
+    if masked:
+        terms, correction_terms = pair_masks(
+            hes[0].mask_ring(), n_packs, len(devices), np.random.default_rng(1)
+        )
     pre: list[Clock] = []
     protect: list[Clock] = []
     payloads: list[bytes] = []
     reports: list[dict[str, float]] = []
     try:
-        for dev, he in zip(devices, hes, strict=True):
+        for dev, he, w, t in zip(devices, hes, weights, terms, strict=True):
             if isinstance(he, PaillierFamily):
                 he.parallel = False  # every CPU second in this process (module docstring)
                 with Clock() as clock:  # idle time: the obfuscator pool, one worker thread as FedClient's
@@ -251,10 +288,12 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
                     {"mask": "all"}, weights=dev.weights, gradients=dev.gradients, update=flat,
                     pack_size=he.pack_size, seed=TASK_SEED,
                 )  # fmt: skip
-                contribution, enc = pipeline.protect(he, flat, dev.num_samples, choice.mask)
+                blind = None if t is None else he.mask_ring().expand_sum(t, n_packs)
+                contribution, enc = pipeline.protect(he, flat, w, choice.mask, blind)
                 msg = pipeline.message_from_contribution(
                     contribution, client_id=dev.client_id, round_id=ROUND, cluster_id=CLUSTER,
                     num_samples=dev.num_samples, metrics={"train_s": dev.train.wall, **enc},
+                    session="s" if masked else "",
                 )  # fmt: skip
                 payload = encode(msg)
             if isinstance(he, PaillierFamily):
@@ -272,7 +311,8 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
                 contributions.append(_receive(public, up))
         total = sum(d.num_samples for d in devices)
         with Clock() as agg:
-            he_agg = public.aggregate(contributions)
+            fix = public.mask_ring().expand_sum(correction_terms, n_packs) if masked else None
+            he_agg = public.aggregate(contributions, fix)
             down = encode(
                 pipeline.message_from_he_aggregate(
                     he_agg, round_id=ROUND, cluster_id=CLUSTER, total_samples=total, metrics={}
@@ -285,7 +325,7 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
             avg = hes[0].decrypt_aggregate(pipeline.he_aggregate_from_message(got))
         clip = hes[0].fixed.clip
         clipped = [clip_values(pipeline.flatten(d.delta), clip)[0] for d in devices]
-        ref = sum(d.num_samples * c for d, c in zip(devices, clipped, strict=True)) / total
+        ref = sum(w * c for w, c in zip(weights, clipped, strict=True)) / sum(weights)
         err = float(np.max(np.abs(avg - ref)))
         assert err <= bound, (name, err, bound)
         with Clock() as apply:
@@ -295,7 +335,7 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
         for he in hes:
             he.close()
     return {
-        "arm": name,
+        "arm": "fedsdk" if masked else name,
         "pack_size": pack,
         "ciphertexts_per_device": n_packs,
         "keygen_s": keygen_s,
@@ -316,6 +356,66 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
         "max_error": err,
         "quantisation_bound": bound,
     }
+
+
+def accuracy_run(
+    model: OnnxModel,
+    base: list[np.ndarray],
+    n_devices: int,
+    input_shape: tuple[int, ...],
+    rounds: int,
+    key_bits: int,
+) -> dict[str, Any]:
+    """Accuracy on the held-out digits after ``rounds`` rounds of FedAvg (one local epoch each, the demo's
+    IID split): float32 plaintext (the coordinator's ``fedavg``) against the packed backend's share encoding,
+    each device with its error feedback, summed by the public backend (clear packs: a Paillier sum of the
+    same packs decrypts to the same integers, so encryption cannot change the result; the step-by-step
+    arms above check that on round 1). Same data, same seeds, same starting model."""
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, n_devices, seed=SEED)
+    x_test = digits.x_test.reshape((-1, *input_shape))
+    trainers = [
+        OnnxTrainer(model, digits.x_train[idx].reshape((-1, *input_shape)), digits.y_train[idx], lr=LR,
+                    momentum=MOMENTUM, batch_size=BATCH, epochs=EPOCHS)
+        for idx in part.indices
+    ]  # fmt: skip
+    with generate_backend("packed", key_bits=key_bits) as keys:
+        params, public_bytes = keys.params, keys.public_bytes()
+    public = load_backend("packed", params, public_bytes)
+    shapes = [tuple(w.shape) for w in base]
+    out: dict[str, Any] = {"rounds": rounds, "encoding": dict(params)}
+    for arm in ("float32", "share"):
+        devs = [load_backend("packed", params, public_bytes) for _ in trainers]
+        for d in devs:
+            d.feedback = ErrorFeedback()  # as DeviceState sets it
+        weights = [w.copy() for w in base]
+        curve = []
+        for r in range(1, rounds + 1):
+            results = [t.fit(weights, seed=SEED * 100_003 + r) for t in trainers]
+            deltas = [[np.asarray(n, np.float32) - b for n, b in zip(res.weights, weights, strict=True)]
+                      for res in results]  # fmt: skip
+            if arm == "float32":
+                ups = [
+                    Update(client_id=f"d{i}", round_id=r, cluster_id=0, num_samples=res.num_samples,
+                           delta=tuple(dl), metrics={})
+                    for i, (res, dl) in enumerate(zip(results, deltas, strict=True))
+                ]  # fmt: skip
+                weights = [np.asarray(w, np.float32) for w in fedavg(weights, ups).weights]
+            else:
+                ws = product_weights(public.fixed, [Device("", res.num_samples, [], [], [], Clock())
+                                                    for res in results])  # fmt: skip
+                flats = [pipeline.flatten(dl) for dl in deltas]
+                cs = [d.encrypt_update(f, w, np.zeros(d.num_packs(f.size), dtype=bool))[0]
+                      for d, f, w in zip(devs, flats, ws, strict=True)]  # fmt: skip
+                avg = public.merge_aggregate(public.aggregate(cs), [])
+                weights = [
+                    b + u.astype(np.float32)
+                    for b, u in zip(weights, pipeline.unflatten(avg, shapes), strict=True)
+                ]
+            curve.append(model.evaluate(weights, x_test, digits.y_test)[1])
+        out[arm] = curve
+    public.close()
+    return out
 
 
 def _s(v: float | None) -> str:
@@ -343,6 +443,7 @@ def main() -> None:
     ap.add_argument("--key-bits", type=int, default=2048, help="Paillier modulus size (2048 or 3072)")
     ap.add_argument("--devices", type=int, default=3)
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of the accuracy run (0: none)")
     ap.add_argument("--out", default="results/bigmodel.json", metavar="PATH")
     args = ap.parse_args()
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -376,6 +477,17 @@ def main() -> None:
             + (f" <= {row['quantisation_bound']:.3g})" if row["quantisation_bound"] else ")"),
             flush=True,
         )
+    accuracy = None
+    if args.rounds > 0:
+        accuracy = accuracy_run(
+            model, base, args.devices, tuple(spec.input_shape), args.rounds, args.key_bits
+        )
+        print(
+            f"accuracy after {args.rounds} rounds: float32 {accuracy['float32'][-1]:.4f}, share encoding "
+            f"{accuracy['share'][-1]:.4f} (f = {accuracy['encoding']['frac_bits']}, "
+            f"{accuracy['encoding']['slot_bits']}-bit slots)",
+            flush=True,
+        )
     elapsed = time.perf_counter() - t_start
     machine = machine_info()
     samples = [d.num_samples for d in devices]
@@ -406,6 +518,7 @@ def main() -> None:
         "machine": machine,
         "elapsed_s": elapsed,
         "rows": rows,
+        "accuracy": accuracy,
     }  # fmt: skip
     out.write_text(json.dumps(doc, indent=2), encoding="utf-8")
     print(f"\nwritten to {out}")
