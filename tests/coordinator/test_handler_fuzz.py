@@ -358,7 +358,7 @@ def handle_and_check(live: Live, topic: str, payload: bytes) -> None:
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def device_he() -> HEBackend:
-    return generate_backend("packed", key_bits=1024)
+    return generate_backend("packed", key_bits=1024, encoding="weighted", frac_bits=13)  # hand-made weights
 
 
 @pytest.fixture(scope="module")

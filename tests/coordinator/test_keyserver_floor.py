@@ -25,7 +25,9 @@ class Published:
 
 
 async def test_an_aggregate_of_too_few_devices_is_never_decrypted() -> None:
-    with generate_backend("packed", key_bits=1024) as he:
+    with generate_backend(
+        "packed", key_bits=1024, encoding="weighted", frac_bits=13
+    ) as he:  # hand-made weights
         updates = [he.encrypt_update(np.full(40, 0.01 * (i + 1)), 3)[0] for i in range(3)]
         out = Published()
         server = KeyServer(out, he, federation="ks", min_aggregate=3)  # type: ignore[arg-type]

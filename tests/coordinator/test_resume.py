@@ -181,7 +181,7 @@ async def test_clustered_federation_resumes_its_sketch_round_and_clusters(tmp_pa
 
 @pytest.fixture(scope="module")
 def device_he() -> HEBackend:
-    return generate_backend("packed", key_bits=1024)
+    return generate_backend("packed", key_bits=1024, encoding="weighted", frac_bits=13)  # hand-made weights
 
 
 def encrypted(cid: str, device: HEBackend, n_values: int, round_id: int) -> EncryptedUpdate:

@@ -107,7 +107,7 @@ class HEStrategy(Strategy):
         if msg.weight != he.fixed.quantise_weight(msg.num_samples, unit, rnd.weight_mult):
             raise ValidationError(
                 "bad_field",
-                f"the FedAvg weight must be the sample count times {rnd.weight_mult} in units of {unit} samples",
+                f"the FedAvg weight must be the sample count times {rnd.weight_mult} over the unit {unit}",
             )
         # The contents too, on receipt: a weight past the slot headroom, an encoded plaintext slot out of
         # range or a ciphertext >= n^2 would otherwise only fail at aggregation, taking the honest devices'

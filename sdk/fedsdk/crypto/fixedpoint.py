@@ -61,8 +61,9 @@ class FixedPoint:
 
     What a slot must hold is the largest weighted sum of codes, ``T·U`` (:attr:`max_total`). Keys made
     before T existed have ``max_total_weight=None`` and the bound ``D_max·W_max`` (39-bit slots at the other
-    defaults, 52 per 2048-bit ciphertext); new keys have T = 8191, 26-bit slots, 78 values per 2048-bit
-    ciphertext (6.6 bytes a value) and 118 per 3072-bit one.
+    defaults, 52 per 2048-bit ciphertext); keys with T = 8191 have 26-bit slots, 78 values per 2048-bit
+    ciphertext (6.6 bytes a value) and 118 per 3072-bit one. New packed keys use the share encoding
+    (``encoding="share"``, ``fedsdk.crypto.share``): 15-bit slots, 136 values per 2048-bit ciphertext.
 
     Decision: a device's weight is its sample count *in units* (:meth:`weight_unit`, :meth:`quantise_weight`):
     the coordinator picks the unit of each round from the sample counts of the round's devices so that the

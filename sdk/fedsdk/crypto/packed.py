@@ -20,7 +20,9 @@ of a round within T by the weight unit it sends with the task (:meth:`FixedPoint
 Decoding: ``x̄_j = (S_j − O·W) / (2**f · W)`` with ``S_j`` the slot sum and ``W = Σ w_i`` the public total
 weight; its error against exact weighted FedAvg of the clipped values is at most ``2**-(f+1)``
 (:attr:`quantisation_bound`). With the defaults (R=0.5, f=13, T=8191) s = 26, so a 2048-bit key carries
-k = 78 values in one 512-byte ciphertext (6.6 bytes per value) and a 3072-bit key 118 in 768 bytes. Keys
+k = 78 values in one 512-byte ciphertext (6.6 bytes per value) and a 3072-bit key 118 in 768 bytes. New
+keys use the share encoding instead (``fedsdk.crypto.share``: signed 15-bit slots, 136 values per 2048-bit
+ciphertext, decoded as ``S/2**f·T/W``). Keys
 made before T (``max_total_weight`` absent from their parameters) keep T = D_max·W_max = 1024·65535:
 s = 39, k = 52, 9.85 bytes per value.
 
