@@ -64,7 +64,7 @@ async def test_a_restarted_device_trains_on_the_model_it_kept(
     digits = load_digits(shape="flat")
     data = (digits.x_train[:80], digits.y_train[:80])
     w0 = [np.asarray(w, np.float32) for w in init_params(SPEC, seed=0)]
-    keyholder = generate_backend("packed", key_bits=1024)
+    keyholder = generate_backend("packed", key_bits=1024, encoding="weighted", frac_bits=13)  # exact compare
     params, public, secret = keyholder.params, keyholder.public_bytes(), keyholder.secret_bytes()
     coordinator_he = load_backend("packed", params, public)
     state = tmp_path / "state"
