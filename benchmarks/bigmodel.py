@@ -54,18 +54,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bigmodel_rounds import Clock, Device, accuracy_run, pair_masks, steady_round, wait_full  # beside it
+from bigmodel_rounds import product_weights as weights_for
 from fedsdk import pipeline
-from fedsdk.crypto import Contribution, HEBackend, ObfuscatorPool, generate_backend, load_backend
+from fedsdk.crypto import Contribution, HEBackend, generate_backend, load_backend
 from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.bench import machine_info
 from fedsdk.crypto.fixedpoint import clip_values
-from fedsdk.crypto.share import ErrorFeedback
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_iid
 from fedsdk.protocol import (
@@ -77,7 +77,6 @@ from fedsdk.protocol import (
     decode,
     encode,
 )
-from fedsdk.secagg.ring import ModRing
 from fedsdk.transport import MAX_MESSAGE_BYTES
 from fedsdk_coordinator.aggregate import fedavg
 from fedsdk_coordinator.models import build_graphs, init_params, preset
@@ -86,30 +85,6 @@ ARMS = ("plaintext", "fedsdk", "packed", "ckks")
 SEED, ROUND, CLUSTER = 0, 1, 0
 LR, MOMENTUM, BATCH, EPOCHS = 0.05, 0.9, 32, 1  # fedsdk_coordinator.rounds.RoundConfig defaults, 1 epoch
 TASK_SEED = SEED * 100_003 + ROUND  # the task's "seed" for round 1 (RoundConfig.seed · 100003 + round)
-
-
-class Clock:
-    """CPU seconds of this process (all threads) and wall seconds of a ``with`` block."""
-
-    cpu = wall = 0.0
-
-    def __enter__(self) -> Clock:
-        self._cpu, self._wall = time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cpu = time.process_time() - self._cpu
-        self.wall = time.perf_counter() - self._wall
-
-
-@dataclass
-class Device:
-    client_id: str
-    num_samples: int
-    weights: list[np.ndarray]  # after local training
-    gradients: list[np.ndarray]
-    delta: list[np.ndarray]  # float32, as FedClient sends it
-    train: Clock
 
 
 def train_devices(
@@ -211,43 +186,6 @@ def _receive(public: HEBackend, msg: EncryptedUpdate) -> Contribution:
     return contribution
 
 
-def _wait_full(pool: ObfuscatorPool, count: int, timeout: float = 3600.0) -> None:
-    """Wait until ``pool`` holds ``count`` obfuscators, polling.
-
-    Not ``pool.fill()``: its waiter is woken by every obfuscator made, which costs the waiting thread about
-    20 µs each (a third of what an obfuscator costs at 2048 bits), CPU that a device, which never waits
-    for its pool, does not spend."""
-    deadline = time.monotonic() + timeout
-    while len(pool) < count:
-        if pool.state != "running" or time.monotonic() > deadline:
-            raise RuntimeError(f"the obfuscator pool did not fill ({len(pool)}/{count}, {pool.state})")
-        time.sleep(0.02)
-
-
-def product_weights(fixed: Any, devices: list[Device]) -> list[int]:
-    """The FedAvg weights the coordinator gives these devices (unit, and the share encoding's multiplier)."""
-    counts = [d.num_samples for d in devices]
-    unit = fixed.weight_unit(counts)
-    mult = fixed.weight_mult(counts) if unit == 1 else 1
-    return [fixed.quantise_weight(n, unit, mult) for n in counts]
-
-
-def pair_masks(
-    ring: ModRing, n_packs: int, n_devices: int, rng: np.random.Generator
-) -> tuple[list[Any], Any]:
-    """Each device's secure-aggregation mask vector (a pairwise mask with every other device and a self
-    mask, as ``DeviceSession.mask_terms`` expands them) and the coordinator's correction (minus the self
-    masks, which the unmask step reveals)."""
-    seed = lambda: rng.bytes(32)  # noqa: E731
-    pairs = {(i, j): seed() for i in range(n_devices) for j in range(i + 1, n_devices)}
-    selves = [seed() for _ in range(n_devices)]
-    terms = [
-        [(selves[i], 1)] + [(k, 1 if a == i else -1) for (a, b), k in pairs.items() if i in (a, b)]
-        for i in range(n_devices)
-    ]
-    return terms, [(s, -1) for s in selves]
-
-
 def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: int) -> dict[str, Any]:
     """Steps 2-5 under HE backend ``name`` with every pack encrypted; ``fedsdk``: packed Paillier with the
     secure-aggregation masks on every pack as well (the product's default protection)."""
@@ -261,7 +199,7 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
     n_values = sum(int(np.prod(s)) for s in shapes)
     hes = [load_backend(name, params, public_bytes, secret_bytes) for _ in devices]  # key mode shared
     pack, n_packs = hes[0].pack_size, hes[0].num_packs(n_values)
-    weights = product_weights(hes[0].fixed, devices)
+    weights = weights_for(hes[0].fixed, [d.num_samples for d in devices])
     bound = hes[0].fixed.error_bound(len(devices), sum(weights))
     terms: list[Any] = [None] * len(devices)
     correction_terms: list[Any] = []
@@ -279,7 +217,7 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
                 he.parallel = False  # every CPU second in this process (module docstring)
                 with Clock() as clock:  # idle time: the obfuscator pool, one worker thread as FedClient's
                     pool = he.start_pool(n_packs, worker="thread", low_priority=False)
-                    _wait_full(pool, n_packs)
+                    wait_full(pool, n_packs)
                     pool.pause()  # nothing refills behind the online step's back
                 pre.append(clock)
             with Clock() as clock:
@@ -298,7 +236,6 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
                 payload = encode(msg)
             if isinstance(he, PaillierFamily):
                 assert enc["from_pool"] == choice.mask.size, enc  # the online step used the pool only
-                he.stop_pool()
             protect.append(clock)
             payloads.append(payload)
             reports.append(enc)
@@ -331,6 +268,9 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
         with Clock() as apply:
             new = [b + d for b, d in zip(base, pipeline.unflatten(avg, shapes), strict=True)]
         assert [w.shape for w in new] == [w.shape for w in base]
+        steady = None
+        if name == "packed":
+            steady = steady_round(hes, devices, weights, public, he_agg, masked, shapes)
     finally:
         for he in hes:
             he.close()
@@ -355,67 +295,8 @@ def run_he(name: str, devices: list[Device], base: list[np.ndarray], key_bits: i
         "decrypt_apply_wall_s": dec.wall + apply.wall,
         "max_error": err,
         "quantisation_bound": bound,
+        "steady": steady,
     }
-
-
-def accuracy_run(
-    model: OnnxModel,
-    base: list[np.ndarray],
-    n_devices: int,
-    input_shape: tuple[int, ...],
-    rounds: int,
-    key_bits: int,
-) -> dict[str, Any]:
-    """Accuracy on the held-out digits after ``rounds`` rounds of FedAvg (one local epoch each, the demo's
-    IID split): float32 plaintext (the coordinator's ``fedavg``) against the packed backend's share encoding,
-    each device with its error feedback, summed by the public backend (clear packs: a Paillier sum of the
-    same packs decrypts to the same integers, so encryption cannot change the result; the step-by-step
-    arms above check that on round 1). Same data, same seeds, same starting model."""
-    digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, n_devices, seed=SEED)
-    x_test = digits.x_test.reshape((-1, *input_shape))
-    trainers = [
-        OnnxTrainer(model, digits.x_train[idx].reshape((-1, *input_shape)), digits.y_train[idx], lr=LR,
-                    momentum=MOMENTUM, batch_size=BATCH, epochs=EPOCHS)
-        for idx in part.indices
-    ]  # fmt: skip
-    with generate_backend("packed", key_bits=key_bits) as keys:
-        params, public_bytes = keys.params, keys.public_bytes()
-    public = load_backend("packed", params, public_bytes)
-    shapes = [tuple(w.shape) for w in base]
-    out: dict[str, Any] = {"rounds": rounds, "encoding": dict(params)}
-    for arm in ("float32", "share"):
-        devs = [load_backend("packed", params, public_bytes) for _ in trainers]
-        for d in devs:
-            d.feedback = ErrorFeedback()  # as DeviceState sets it
-        weights = [w.copy() for w in base]
-        curve = []
-        for r in range(1, rounds + 1):
-            results = [t.fit(weights, seed=SEED * 100_003 + r) for t in trainers]
-            deltas = [[np.asarray(n, np.float32) - b for n, b in zip(res.weights, weights, strict=True)]
-                      for res in results]  # fmt: skip
-            if arm == "float32":
-                ups = [
-                    Update(client_id=f"d{i}", round_id=r, cluster_id=0, num_samples=res.num_samples,
-                           delta=tuple(dl), metrics={})
-                    for i, (res, dl) in enumerate(zip(results, deltas, strict=True))
-                ]  # fmt: skip
-                weights = [np.asarray(w, np.float32) for w in fedavg(weights, ups).weights]
-            else:
-                ws = product_weights(public.fixed, [Device("", res.num_samples, [], [], [], Clock())
-                                                    for res in results])  # fmt: skip
-                flats = [pipeline.flatten(dl) for dl in deltas]
-                cs = [d.encrypt_update(f, w, np.zeros(d.num_packs(f.size), dtype=bool))[0]
-                      for d, f, w in zip(devs, flats, ws, strict=True)]  # fmt: skip
-                avg = public.merge_aggregate(public.aggregate(cs), [])
-                weights = [
-                    b + u.astype(np.float32)
-                    for b, u in zip(weights, pipeline.unflatten(avg, shapes), strict=True)
-                ]
-            curve.append(model.evaluate(weights, x_test, digits.y_test)[1])
-        out[arm] = curve
-    public.close()
-    return out
 
 
 def _s(v: float | None) -> str:
@@ -434,6 +315,28 @@ def _print(rows: list[dict[str, Any]]) -> None:
             f"| {_s(r['protect_cpu_s'])} | {r['upload_bytes'] / 1e3:,.0f} | {_s(r['aggregate_wall_s'])} "
             f"| {r['download_bytes'] / 1e3:,.0f} | {_s(r['decrypt_apply_cpu_s'])} "
             f"| {_s(r['device_cpu_s'])} | {_s(r['device_cpu_s'] + (r['precompute_cpu_s'] or 0.0))} |"
+        )
+    plain = next((r for r in rows if r["arm"] == "plaintext"), None)
+    steady = [r for r in rows if r.get("steady")]
+    if plain is None or not steady:
+        return
+    print(
+        "\nsteady state (round 2, device 0, its share of a cooperative decryption, openings made ahead; "
+        "÷ plaintext's CPU and bytes up):\n\n| arm | train s | protect s | open share s | merge+apply s "
+        "| online CPU s | ÷ plaintext | idle s (pool + openings) | bytes up ÷ plaintext |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for r in [plain, *steady]:
+        st = r.get("steady") or {"open_share_cpu_s": 0.0, "merge_apply_cpu_s": r["decrypt_apply_cpu_s"],
+                                 "refill_cpu_s": 0.0, "prepare_cpu_s": 0.0}  # fmt: skip
+        online = r["train_cpu_s"] + r["protect_cpu_s"] + st["open_share_cpu_s"] + st["merge_apply_cpu_s"]
+        r["steady_online_cpu_s"] = online
+        print(
+            f"| {r['arm']} | {_s(r['train_cpu_s'])} | {_s(r['protect_cpu_s'])} "
+            f"| {st['open_share_cpu_s']:.3f} "
+            f"| {st['merge_apply_cpu_s']:.3f} | {online:.3f} | {online / plain['steady_online_cpu_s']:.2f} "
+            f"| {_s(st['refill_cpu_s'] + st['prepare_cpu_s'])} "
+            f"| {r['upload_bytes'] / plain['upload_bytes']:.3f} |"
         )
 
 

@@ -4,6 +4,7 @@ round (weight unit, decryption share)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,5 +104,6 @@ def make_status(bundle: GraphBundle, model: OnnxModel, state: str, epoch: str, r
         "task": model.task,
         "input_shape": shape_text(bundle.input_shape),
         "output_shape": shape_text(model.output_shape),
+        "params": sum(math.prod(s) for s in bundle.param_shapes),  # devices size their obfuscator pool by it
     }
     return Status(state=state, epoch=epoch, round_id=round_id, model=described)

@@ -311,7 +311,7 @@ class FedClient:
             async for topic, decoded in link.messages():
                 try:
                     if isinstance(decoded, Status):
-                        if await link.on_status(decoded, self._publish):
+                        if await link.on_status(decoded, self._publish, self._work.size_pool):
                             return
                     elif isinstance(decoded, Task) and topic == link.down_topic:
                         await self._tasks.take(decoded, self._on_task)

@@ -53,6 +53,7 @@ from fedsdk.transport import MqttTransport, TlsConfig, Will, check_client_identi
 __all__ = ["Link", "Publish"]
 
 log = logging.getLogger(__name__)
+MAX_POOL_PARAMS = 1 << 31  # a status naming more parameters is not believed: no such model fits a message
 
 Publish = Callable[[str, BaseMessage], Awaitable[tuple[float, int]]]
 """Send a message on one of the device's topics (by kind); returns (seconds, bytes)."""
@@ -203,10 +204,14 @@ class Link:
         self.hellos += 1
         await publish(T.HELLO, hello)
 
-    async def on_status(self, status: Status, publish: Publish) -> bool:
+    async def on_status(
+        self, status: Status, publish: Publish, size_pool: Callable[[int], None] | None = None
+    ) -> bool:
         """Take the coordinator's status: say hello to a coordinator instance not greeted yet (after checking
-        the local data against its model). True when the run is over: the federation finished or failed,
-        or its model does not fit this device's data."""
+        the local data against its model), and size the obfuscator pool (``size_pool``) for the model's
+        parameter count when the status gives it, so that obfuscators are made from the join on, not from
+        the first task. True when the run is over: the federation finished or failed, or its model does not
+        fit this device's data."""
         summary = self.device.summary
         if status.state in ("finished", "failed"):
             summary.state = status.state
@@ -229,6 +234,9 @@ class Link:
                 return True
             await self.say_hello(publish)
             self.hello_epoch = status.epoch
+            params = status.model.get("params")
+            if size_pool is not None and isinstance(params, int) and 0 < params <= MAX_POOL_PARAMS:
+                size_pool(params)
             log.info("hello sent to coordinator %s", status.epoch)
         return False
 
