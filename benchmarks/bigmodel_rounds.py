@@ -165,10 +165,10 @@ def accuracy_run(
     public = load_backend("packed", params, public_bytes)
     shapes = [tuple(w.shape) for w in base]
     out: dict[str, Any] = {"rounds": rounds, "encoding": dict(params)}
-    for arm in ("float32", "share"):
+    for arm in ("float32", "share", "share+feedback"):  # feedback: measured, off in the product
         devs = [load_backend("packed", params, public_bytes) for _ in trainers]
         for d in devs:
-            d.feedback = ErrorFeedback()  # as DeviceState sets it
+            d.feedback = ErrorFeedback() if arm == "share+feedback" else None
         weights = [w.copy() for w in base]
         curve = []
         for r in range(1, rounds + 1):

@@ -59,6 +59,11 @@ def test_both_arms_finish_every_round_and_the_report_has_the_tables(run: dict[st
     assert "| plaintext+cluster | finished |" in run["report"] and "## Targets" in run["report"]
     assert [c["arm"] for c in run["targets"]] == ["fedsdk"] * 5
     assert "| HE spread |" in run["report"] and a["plaintext+cluster"]["he_spread"] is None
+    # device CPU per round by step, this machine's: training apart from protecting, decryption for fedsdk
+    assert "| arm | train | protect | mask_vector | decrypt |" in run["report"]
+    fed = a["fedsdk"]["cpu_per_device_round"]
+    assert fed["train"] > 0 and fed["protect"] > 0 and fed["decrypt"] + fed["prepare"] > 0
+    assert a["plaintext+cluster"]["cpu_per_device_round"]["decrypt"] == 0
 
 
 def test_fedsdk_encrypts_with_budgets_aimed_at_the_plaintext_round(run: dict[str, Any]) -> None:

@@ -188,13 +188,28 @@ def window_needles(truths: Iterable[Truth], dtype: type[np.floating[Any]]) -> Ne
     return out
 
 
+def round_weight(he: HEBackend, truths: list[Truth], t: Truth) -> int:
+    """The FedAvg weight the coordinator gave ``t``'s update: its samples times its round's multiplier."""
+    return he.fixed.quantise_weight(
+        t.weight, 1, he.fixed.weight_mult([u.weight for u in truths if u.fit == t.fit])
+    )
+
+
 def pack_needles(truths: Iterable[Truth], he: HEBackend) -> Needles:
     """Every pack holding a non-trivial value of every update, in the clear encoding an ``EncryptedUpdate``
-    carries outside its mask (the device's weighted fixed-point codes, ``pack_size`` values a pack)."""
+    carries outside its mask (the device's fixed-point codes at the weight its round gives it, ``pack_size``
+    values a pack)."""
     out = Needles("clear packs")
     k = he.pack_size
+    truths = list(truths)
+    counts: dict[int, list[int]] = {}
     for t in truths:
-        clear, _ = he.encrypt_update(t.values, t.weight, np.zeros(he.num_packs(t.values.size), dtype=bool))
+        counts.setdefault(t.fit, []).append(t.weight)
+    for t in truths:
+        w = he.fixed.quantise_weight(
+            t.weight, 1, he.fixed.weight_mult(counts[t.fit])
+        )  # as the round weighs it
+        clear, _ = he.encrypt_update(t.values, w, np.zeros(he.num_packs(t.values.size), dtype=bool))
         for p, plain in enumerate(clear.plaintexts):
             if np.any(np.abs(t.values[p * k : (p + 1) * k]) > TRIVIAL):
                 out.add(bytes(plain), t.name)
@@ -484,7 +499,7 @@ def detect(
     bins = {**(run.hay.binary if binary is None else binary), **txts}
     out = Findings({}, {})
     for needles in kinds:
-        assert len(needles.of) > 600, f"too few {needles.kind} to search"  # ~62 packs an mlp update
+        assert len(needles.of) > 300, f"too few {needles.kind} to search"  # ~36 packs an mlp update
         for name, data in bins.items():
             hits = needles.search(data)
             if hits:
@@ -554,7 +569,9 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
             got = keyholder.decrypt_aggregate(he_aggregate_from_message(agg))
             total = sum(t.weight for t in this)
             want = sum(t.weight * np.clip(t.values, -0.5, 0.5) for t in this) / total
-            np.testing.assert_allclose(got, want, rtol=0, atol=keyholder.quantisation_bound * 1.01)
+            mult = keyholder.fixed.weight_mult([t.weight for t in this])  # as the coordinator weighs them
+            bound = keyholder.fixed.error_bound(len(this), total * mult)  # fedsdk.crypto.share
+            np.testing.assert_allclose(got, want, rtol=0, atol=bound * 1.01)
 
     found = detect(run)
     assert found.empty, (found.binary, found.numbers)
@@ -565,7 +582,7 @@ async def test_fedsdk_coordinator_holds_no_update_in_its_store_logs_or_api(
     truth = run.truths[0]
     packs = run.he.num_packs(truth.values.size)
     mask = np.arange(packs) < packs // 2
-    contribution, _ = run.he.encrypt_update(truth.values, truth.weight, mask)
+    contribution, _ = run.he.encrypt_update(truth.values, round_weight(run.he, run.truths, truth), mask)
     planted = message_from_contribution(
         contribution, client_id=truth.client_id, round_id=3, cluster_id=0, num_samples=truth.weight,
         metrics={},

@@ -261,9 +261,10 @@ async def test_an_he_round_survives_two_of_six_devices_dying_after_sharing(
     assert isinstance(agg, EncryptedAggregate) and agg.n_devices == 4
     got = he.decrypt_aggregate(he_aggregate_from_message(agg))
     packs, weights = None, []
+    mult = he.fixed.weight_mult([len(data[cid][2]) for cid in ids])  # planned over the round's six devices
     for cid in sorted(set(ids) - doom[1]):
         _, x, y = data[cid]
-        w = he.fixed.quantise_weight(len(y), 1)
+        w = he.fixed.quantise_weight(len(y), 1, mult)
         enc = he.encode(local_update(engine, initial, x, y, 1), w).packs
         packs = list(enc) if packs is None else [a + b for a, b in zip(packs, enc, strict=True)]
         weights.append(w)

@@ -228,13 +228,13 @@ def test_coordinator_never_holds_the_secret_key(
     u1, u2 = rng.uniform(-0.4, 0.4, n), rng.uniform(-0.4, 0.4, n)
     with dev1.load_backend() as b1, dev2.load_backend() as b2, coordinator.load_backend() as bc:
         assert not bc.can_decrypt and b1.can_decrypt
-        c1, _ = b1.encrypt_update(u1, 3)
-        c2, _ = b2.encrypt_update(u2, 1)
+        c1, _ = b1.encrypt_update(u1, 6000)  # weights as the coordinator gives them: a sum near T
+        c2, _ = b2.encrypt_update(u2, 2000)
         agg = bc.aggregate([c1, c2])
         with pytest.raises(CryptoError, match="cannot decrypt"):
             bc.decrypt_aggregate(agg)
         out = b2.decrypt_aggregate(agg)
-        assert np.allclose(out, (3 * u1 + u2) / 4, atol=10 * b2.quantisation_bound + 1e-9)
+        assert np.allclose(out, (3 * u1 + u2) / 4, atol=b2.fixed.error_bound(2, 8000) + 1e-9)
 
 
 def test_keyserver_mode(make_fleet: Callable[..., Path]) -> None:
@@ -248,7 +248,7 @@ def test_keyserver_mode(make_fleet: Callable[..., Path]) -> None:
     dev = load_kit(root / "devices" / "pi-01")
     assert dev.key_mode == "keyserver" and not dev.can_decrypt
     with dev.load_backend() as bd, ks.load_backend() as bk:
-        c, _ = bd.encrypt_update(np.full(10, 0.25), 1)
+        c, _ = bd.encrypt_update(np.full(10, 0.25), 8000)
         agg = bd.aggregate([c])
         with pytest.raises(CryptoError):
             bd.decrypt_aggregate(agg)
@@ -449,7 +449,7 @@ def test_rotate_he_key_pair(make_fleet: Callable[..., Path]) -> None:
     assert not coordinator.can_decrypt and mode(root / "devices" / "pi-01" / "he" / "he_secret.bin") == 0o600
     assert mode(root / "he" / "he_secret.bin") == 0o600
     with dev.load_backend() as bd, coordinator.load_backend() as bc:
-        c, _ = bd.encrypt_update(np.full(8, 0.2), 1)
+        c, _ = bd.encrypt_update(np.full(8, 0.2), 8000)
         assert np.allclose(bd.decrypt_aggregate(bc.aggregate([c])), 0.2, atol=1e-3)
         with pytest.raises(KeyMismatchError):
             bc.aggregate([old_contribution])  # an update under the old key cannot be mixed in

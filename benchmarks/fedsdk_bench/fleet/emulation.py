@@ -306,6 +306,10 @@ class EmulatedClient(FedClient):
                 self._control_taken += len(pool.take(packs))  # what encrypting the update would have used
         metrics = dict(getattr(msg, "metrics", {}))
         parts = self._emulated_parts(step, metrics)
+        with self.dilation._lock:  # the training step's CPU split: local training apart from the rest
+            fit = self.dilation.stats.setdefault("fit", {"steps": 0, "cpu_s": 0.0})
+            fit["steps"] += 1
+            fit["cpu_s"] += self._fit_timing[0]
         metrics.update(parts)
         msg = dataclasses.replace(msg, metrics=metrics)  # type: ignore[type-var]
         record = dict(record)

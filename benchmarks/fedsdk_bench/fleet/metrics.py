@@ -171,9 +171,11 @@ def arm_metrics(result: dict[str, Any]) -> dict[str, Any]:
         if acc is not None:
             acc_cluster.setdefault(str(x["cluster"]), {})[str(x["round"])] = float(acc)
     emu = {"cpu_s": 0.0, "emulated_s": 0.0, "overrun_s": 0.0, "late_s": 0.0}
+    by_step: dict[str, float] = {}
     for d in devices:
         for kind, s in d.get("dilation", {}).items():
-            if kind != "pool":
+            by_step[kind] = by_step.get(kind, 0.0) + float(s.get("cpu_s", 0.0))
+            if kind not in ("pool", "fit"):
                 for k in emu:
                     emu[k] += float(s.get(k, 0.0))
     sk = [d["sketch_timeline"] for d in devices if d.get("sketch_timeline")]
@@ -223,6 +225,7 @@ def arm_metrics(result: dict[str, Any]) -> dict[str, Any]:
         "final_accuracy_per_group": {g: a[final] for g, a in acc_group.items() if final in a},
         "clusters": coord.get("clusters", {}),
         "ari": _ari(coord.get("clusters", {}), groups) if coord.get("clusters") else None,
+        "cpu_per_device_round": cpu_by_step(by_step, len(devices), len(round_ids)),
         "emulation": {
             **emu,
             "overrun_fraction": emu["overrun_s"] / emu["emulated_s"] if emu["emulated_s"] else 0,
@@ -230,3 +233,23 @@ def arm_metrics(result: dict[str, Any]) -> dict[str, Any]:
         "late": coord.get("late", 0),
         "rejected": coord.get("rejected", {}),
     }
+
+
+#: The steps of a device's CPU per round in the fleet report: the training step split into local training
+#: and the rest of it (mask choice, encoding, masking, encryption), then the steps after the upload.
+CPU_STEPS = ("train", "protect", "mask_vector", "decrypt", "prepare", "apply", "pool")
+
+
+def cpu_by_step(totals: dict[str, float], n_devices: int, n_rounds: int) -> dict[str, float]:
+    """Device CPU seconds per round by step (this machine's CPU, before the emulation stretches it): the
+    emulation's per-step totals over every device, divided by devices × rounds. ``protect`` is the training
+    step less local training; ``pool`` is idle-time obfuscator making; the sketch round is left out."""
+    per = float(max(1, n_devices) * max(1, n_rounds))
+    fit = totals.get("fit", 0.0)
+    out = {
+        "train": fit,
+        "protect": max(totals.get("train", 0.0) - fit, 0.0),
+        **{k: totals.get(k, 0.0) for k in ("mask_vector", "decrypt", "prepare", "apply", "pool")},
+    }
+    out["leak"] = totals.get("leak", 0.0)
+    return {k: v / per for k, v in out.items()}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsdk.crypto import DEFAULT_KEY_BITS
-from fedsdk_bench.fleet.metrics import SPLIT
+from fedsdk_bench.fleet.metrics import CPU_STEPS, SPLIT
 from fedsdk_bench.fleet.targets import Check
 
 __all__ = ["markdown", "write_json"]
@@ -69,6 +69,7 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
     for a in arms:
         cp = " / ".join(_f(a["critical_path"][k]) for k in ("devices", "aggregate", "apply", "coordinator"))
         out.append(f"| {a['label']} | " + " | ".join(_f(a["split"].get(k)) for k in SPLIT) + f" | {cp} |")
+    out += _cpu_table(arms)
     factors = sorted({round(d["speed_factor"], 2) for a in arms for d in a["devices"].values()})
     if len(factors) > 1:
         out += [
@@ -113,6 +114,25 @@ def _scenario_tables(sc: dict[str, Any]) -> list[str]:
     if notes:
         out += ["", *(f"- {n}" for n in notes)]
     return [*out, ""]
+
+
+def _cpu_table(arms: list[dict[str, Any]]) -> list[str]:
+    """Device CPU seconds per round by step, this machine's (not stretched by the emulation), per arm."""
+    rows = [a for a in arms if a.get("cpu_per_device_round")]
+    if not rows:
+        return []
+    out = [
+        "",
+        "Device CPU seconds per round by step (this machine's CPU, mean per device; pool: idle time):",
+        "",
+        "| arm | " + " | ".join(CPU_STEPS) + " | online total |",
+        "|---" * (len(CPU_STEPS) + 2) + "|",
+    ]
+    for a in rows:
+        c = a["cpu_per_device_round"]
+        online = sum(v for k, v in c.items() if k != "pool")
+        out.append(f"| {a['label']} | " + " | ".join(_f(c.get(k)) for k in CPU_STEPS) + f" | {_f(online)} |")
+    return out
 
 
 def _slowest_split(arms: list[dict[str, Any]], factor: float) -> list[str]:

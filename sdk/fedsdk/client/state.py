@@ -15,7 +15,6 @@ import numpy as np
 
 from fedsdk.coop import ShareBook
 from fedsdk.crypto import HEBackend
-from fedsdk.crypto.share import ErrorFeedback
 from fedsdk.errors import TrainingError
 from fedsdk.model import OnnxModel, Trainer
 from fedsdk.personal import PersonalModel
@@ -97,13 +96,6 @@ class DeviceState:
     last_round_at: float | None = None  # when the federation's last round was applied (monotonic)
     personal_epochs: int = 0  # fine-tune epochs after each applied round (0: personalisation off)
     personal: PersonalModel | None = None  # the model the device uses, from its last personalisation
-
-    def __post_init__(self) -> None:
-        # under the share encoding each update carries what stochastic rounding left out of the last one
-        # (fedsdk.crypto.share); the backend object is this device's own
-        he = self.he
-        if he is not None and he.fixed.share and getattr(he, "feedback", False) is None:
-            he.feedback = ErrorFeedback()  # type: ignore[attr-defined]  # PackedPaillierBackend's
 
     @property
     def num_samples(self) -> int:

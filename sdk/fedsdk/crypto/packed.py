@@ -55,7 +55,7 @@ from fedsdk.crypto.obfuscator import (
     unpack_coins,
 )
 from fedsdk.crypto.paillier_keys import DEFAULT_KEY_BITS, PaillierKeys
-from fedsdk.crypto.share import ErrorFeedback, SignedPacks, share_codes
+from fedsdk.crypto.share import ErrorFeedback, SignedPacks, rounding_key, share_codes
 from fedsdk.errors import CiphertextError, EncodingError
 from fedsdk.secagg.ring import ModRing
 
@@ -140,8 +140,8 @@ class PackedPaillierBackend(_ModNMasks):
         self._plain_limit = 1 << (k * s)
         self._prepared: _Prepared | None = None
         self._signed = SignedPacks(self.fixed, k, s, int(keys.n)) if self.fixed.share else None
-        #: what stochastic rounding left out of this device's last update (share encoding; devices only)
-        self.feedback: ErrorFeedback | None = None
+        self.feedback: ErrorFeedback | None = None  # share encoding: measured, off (fedsdk.crypto.share)
+        self._rounding_key: bytes | None = None
 
     @classmethod
     def generate(
@@ -201,7 +201,8 @@ class PackedPaillierBackend(_ModNMasks):
         the share encoding signed codes ``q`` as int64 (``fedsdk.crypto.share``, padding 0)."""
         w = self.fixed.check_weight(weight)
         if self._signed is not None:
-            q, moved = share_codes(self.fixed, values, w, feedback=self.feedback)
+            self._rounding_key = key = self._rounding_key or rounding_key(self.keys)
+            q, moved = share_codes(self.fixed, values, w, key=key, feedback=self.feedback)
             padded = np.zeros(self.num_packs(q.size) * self.slots, dtype=np.int64)
             padded[: q.size] = q
             return padded.reshape(-1, self.slots), q.size, w, moved
@@ -214,7 +215,7 @@ class PackedPaillierBackend(_ModNMasks):
 
     def encode(self, values: np.ndarray, weight: int) -> Encoded:
         codes, n, w, moved = self.encode_codes(values, weight)
-        return Encoded(self._pack_ints(self._pack_bytes(codes)), n, w, moved)
+        return Encoded(self._pack_ints(_clear_bytes(codes, self.slot_bits, self._signed)), n, w, moved)
 
     def decode(self, packs: Sequence[Any], total_weight: int) -> np.ndarray:
         # one range check over the list and the integers' own to_bytes (int and gmpy2.mpz alike): the
@@ -241,7 +242,7 @@ class PackedPaillierBackend(_ModNMasks):
         """As :meth:`HEBackend.encrypt_update`, but plaintext packs go straight from numpy to bytes."""
         t0 = time.perf_counter()
         codes, n, w, moved = self.encode_codes(values, weight)
-        packed = self._pack_bytes(codes)
+        packed = _clear_bytes(codes, self.slot_bits, self._signed)
         masked = blind is not None
         if masked:
             ring = self.mask_ring()
@@ -262,9 +263,6 @@ class PackedPaillierBackend(_ModNMasks):
         report.ciphertext_bytes = len(cts) * self.ciphertext_nbytes
         report.plaintext_bytes = sum(map(len, pts))
         return Contribution(self.name, self.key_id, n, w, sel, cts, pts, coins, masked), report
-
-    def _pack_bytes(self, codes: np.ndarray) -> list[bytes]:
-        return pack_slots(codes, self.slot_bits) if self._signed is None else self._signed.clear_bytes(codes)
 
     def _pack_ints(self, packed: Sequence[bytes], *, masked: bool = False) -> list[Any]:
         """Packs' integers from their bytes (ring elements when ``masked``; share encoding: signed)."""
@@ -417,6 +415,11 @@ class PackedPaillierBackend(_ModNMasks):
             raise EncodingError(
                 f"plaintext slot above w·U = {c.weight * self.fixed.max_code}: refused, it could overflow"
             )
+
+
+def _clear_bytes(codes: np.ndarray, slot_bits: int, signed: SignedPacks | None) -> list[bytes]:
+    """Rows of codes as clear packs: the weighted encoding's, or the share encoding's non-negative form."""
+    return pack_slots(codes, slot_bits) if signed is None else signed.clear_bytes(codes)
 
 
 @functools.lru_cache(maxsize=4)

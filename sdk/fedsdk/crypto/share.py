@@ -5,10 +5,12 @@ so a slot must hold ``T·U``: 26 bits at the defaults, of which 13 carry the wei
 encoding the device scales its value by its share of the largest aggregate instead, ``a = w / T``, before
 rounding, so the slot holds a value of the aggregate itself, not of one device:
 
-1. target: ``t = clip(x + e, R)``, with ``e`` what rounding left out of the device's previous update
-   (error feedback, :class:`ErrorFeedback`; Seide et al., Interspeech 2014; Karimireddy et al., ICML 2019);
+1. target: ``t = clip(x, R)``;
 2. code: ``q = floor(t·a·2**f + ξ)``, ξ uniform on [0, 1): stochastic rounding, unbiased,
-   ``E[q] = t·a·2**f`` and ``|q − t·a·2**f| < 1``; the device keeps ``e = t − q / (a·2**f)``;
+   ``E[q] = t·a·2**f`` and ``|q − t·a·2**f| < 1``. ξ comes from a generator seeded with a hash of the
+   update, its weight and a key of the device (the HE secret where the device holds it, else the public
+   key), so that the same update encodes to the same codes: a device that computes a round's update again
+   after a restart sends what it would have sent, and a federation run twice gives the same models;
 3. pack: slot j of a pack is ``q_j`` as a signed digit: the pack is the integer ``P = Σ_j q_j·2**(s·j)``,
    formed as the non-negative pack of ``q_j + H`` (H = 2**(s−1)) minus ``C = Σ_j H·2**(s·j)``.
 
@@ -18,6 +20,13 @@ are added as integers (modulo n under Paillier, which a sum of signed packs of m
 survives); the sum's signed digits are its slots. With R = 0.5, f = 14 and D_max = 1024: O + D_max =
 9,216 < 2**14, s = 15, 136 values per 2048-bit ciphertext (3.8 bytes a value, against float32's 4) and
 204 per 3072-bit one.
+
+Error feedback (Seide et al., Interspeech 2014; Karimireddy et al., ICML 2019: add what rounding left out
+of the last update to the next, :class:`ErrorFeedback`) is not on. Decision, from measurement
+(``benchmarks/bigmodel.py``'s accuracy run, 3 devices, digits, 10 rounds at 1 M parameters and 20 at
+100 k): float32, the share encoding, and the share encoding with error feedback reached the same accuracy
+in every round but one, at f = 14 with the weight multiplier below; the feedback would make each update
+depend on state a restart loses, so a resumed device would no longer send what it would have sent.
 
 Decoding: ``x̄_j = S_j / 2**f · T / W`` for the slot sums ``S_j`` and the public total weight W. Each
 device's rounding is below one code, so the error against exact FedAvg of the clipped targets is below
@@ -35,7 +44,8 @@ are ``P mod n``.
 
 from __future__ import annotations
 
-import os
+import hashlib
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +54,7 @@ import numpy as np
 from fedsdk.crypto.fixedpoint import FixedPoint, clip_values, pack_slots, unpack_slots
 from fedsdk.errors import CiphertextError, EncodingError
 
-__all__ = ["ErrorFeedback", "SignedPacks", "share_codes", "stochastic_round"]
+__all__ = ["ErrorFeedback", "SignedPacks", "rounding_key", "rounding_rng", "share_codes", "stochastic_round"]
 
 
 def stochastic_round(v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -53,7 +63,8 @@ def stochastic_round(v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 class ErrorFeedback:
-    """What rounding left out of a device's last update, added to its next one (module docstring, step 1).
+    """What rounding left out of a device's last update, added to its next one (measured, not on by default:
+    module docstring).
 
     Kept per update length: a device whose model changes size (another federation, another cluster's
     model) starts again from nothing. Held in memory only; a restarted device loses at most one round's
@@ -73,22 +84,41 @@ class ErrorFeedback:
         self._residual = None
 
 
+def rounding_key(keys: Any) -> bytes:
+    """The key of a device's rounding seeds: a hash of its Paillier secret where it holds it (key mode
+    ``shared``), else of the public key (key mode ``keyserver``: the coordinator could then recompute the
+    rounding of a clear, unmasked pack, that is the value within float precision rather than one code)."""
+    raw = keys.secret_bytes() if keys.has_secret else keys.public_bytes()
+    return hashlib.sha256(b"fedsdk share rounding\0" + raw).digest()
+
+
+def rounding_rng(key: bytes, weight: int, values: np.ndarray) -> np.random.Generator:
+    """The generator of an update's rounding: seeded with SHA-256 of ``key``, the weight and the values."""
+    h = hashlib.sha256(key)
+    h.update(int(weight).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(values, dtype=np.float64).tobytes())
+    return np.random.default_rng(int.from_bytes(h.digest(), "little"))
+
+
 def share_codes(
     fixed: FixedPoint,
     values: np.ndarray,
     weight: int,
     *,
     rng: np.random.Generator | None = None,
+    key: bytes | None = None,
     feedback: ErrorFeedback | None = None,
 ) -> tuple[np.ndarray, int]:
     """Signed codes ``q`` (int64) of ``values`` for a device of weight ``weight`` (steps 1-2 of the module
-    docstring), and the number of values the clip moved. Updates ``feedback`` when given."""
+    docstring), and the number of values the clip moved. The rounding draws from ``rng``, else from
+    :func:`rounding_rng` with ``key``, else from fresh randomness. Updates ``feedback`` when given."""
     w = fixed.check_weight(weight)
     flat = np.asarray(values, dtype=np.float64).ravel()
     residual = feedback.take(flat.size) if feedback is not None else None
     target, moved = clip_values(flat if residual is None else flat + residual, fixed.clip)
     scale = w * float(fixed.scale) / fixed.max_total
-    rng = rng if rng is not None else np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
+    if rng is None:
+        rng = rounding_rng(key, w, flat) if key is not None else np.random.default_rng(secrets.randbits(128))
     q = stochastic_round(target * scale, rng)
     if feedback is not None:
         feedback.keep(target - q / scale)

@@ -127,3 +127,17 @@ def test_clear_packs_beyond_the_weight_are_refused(he) -> None:
     with pytest.raises(EncodingError, match="could overflow"):
         public.aggregate([bad])
     public.aggregate([c])  # the honest one passes
+
+
+def test_the_same_update_encodes_to_the_same_codes_and_another_key_rounds_otherwise(he) -> None:
+    """A device that computes a round's update again (after a restart) sends what it sent; the rounding is
+    seeded by the update and a key of the device, not by the clock."""
+    x = np.random.default_rng(3).normal(0, 0.01, 2 * he.slots)
+    other = generate_backend("packed", key_bits=1024)
+    try:
+        first = he.encode_codes(x, 40)[0]
+        assert np.array_equal(first, he.encode_codes(x, 40)[0])
+        assert not np.array_equal(first, other.encode_codes(x, 40)[0])  # ξ differs, the mean does not
+        assert not np.array_equal(first, he.encode_codes(x + 1e-9, 40)[0])
+    finally:
+        other.close()
