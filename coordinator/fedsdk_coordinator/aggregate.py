@@ -23,7 +23,7 @@ import numpy as np
 
 from fedsdk.errors import ProtocolError
 from fedsdk.protocol import Error, MaskedUpdate, Update
-from fedsdk.secagg.plain import PLAIN_FIXED, RING32, decode_sum
+from fedsdk.secagg.plain import PLAIN_FIXED, PLAIN_SHARE, RING16, RING32, decode_sum
 
 __all__ = ["AggregateResult", "fedavg", "masked_fedavg", "split_replies"]
 
@@ -66,16 +66,19 @@ def fedavg(global_weights: Sequence[np.ndarray], updates: Sequence[Update]) -> A
 def masked_fedavg(
     global_weights: Sequence[np.ndarray], updates: Sequence[MaskedUpdate], correction: list[tuple[bytes, int]]
 ) -> AggregateResult:
-    """Sample-weighted FedAvg of masked updates: their codes summed modulo 2^32 with the expansion of the
-    ``correction`` terms, decoded with the public total weight, added to ``global_weights``."""
+    """Sample-weighted FedAvg of masked updates: their codes summed modulo 2^16 (or 2^32) with the expansion
+    of the ``correction`` terms, decoded with the public total weight, added to ``global_weights``."""
     if not updates:
         raise ProtocolError("no valid update to aggregate")
     ordered = sorted(updates, key=lambda u: u.client_id)
-    n = ordered[0].n_values
-    total = RING32.expand_sum(correction, n)[:, 0].copy()
+    n, bits = ordered[0].n_values, ordered[0].ring_bits
+    if any(u.ring_bits != bits for u in ordered):
+        raise ProtocolError("masked updates of two encodings cannot be summed")
+    fixed, ring = (PLAIN_SHARE, RING16) if bits == 16 else (PLAIN_FIXED, RING32)
+    total = ring.expand_sum(correction, n)[:, 0].astype(ordered[0].codes.dtype)
     for u in ordered:
-        total += u.codes  # uint32: wraps modulo 2^32
-    mean = decode_sum(total, PLAIN_FIXED.check_group([u.weight for u in ordered]), PLAIN_FIXED)
+        total += u.codes  # uint16 or uint32: wraps modulo 2^16 or 2^32
+    mean = decode_sum(total, fixed.check_group([u.weight for u in ordered]), fixed)
     out, pos = [], 0
     for w in global_weights:
         size = int(np.size(w))

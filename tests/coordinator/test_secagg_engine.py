@@ -29,7 +29,7 @@ from fedsdk.protocol import (
 from fedsdk.protocol import topics as T
 from fedsdk.secagg.identity import Trust
 from fedsdk.secagg.keys import Context, KeyPair
-from fedsdk.secagg.plain import PLAIN_FIXED, RING32, decode_sum, encode_masked
+from fedsdk.secagg.plain import PLAIN_SHARE, RING16, decode_sum, encode_masked
 from fedsdk.secagg.session import DeviceSession
 
 FED = "maskfed"
@@ -86,10 +86,10 @@ class Fleet:
         key = (cid, round_id)
         if key not in self.sent:
             n = self.c.engine.n_values
-            codes, _ = encode_masked(
-                delta(cid, n, round_id), 10, PLAIN_FIXED, RING32.expand_sum(s.mask_terms(), n)
-            )
-            up = MaskedUpdate(cid, round_id, 0, s.ctx.session, 10, 10, (codes.view(np.int32),))
+            w = weight(self.c, cid, round_id)
+            blind = RING16.expand_sum(s.mask_terms(), n)
+            codes, _ = encode_masked(delta(cid, n, round_id), w, PLAIN_SHARE, blind, key=cid.encode())
+            up = MaskedUpdate(cid, round_id, 0, s.ctx.session, 10, w, (codes.view(np.int16),))
             self.sent[key] = encode(up)
         self.handle(cid, T.UPDATE, self.sent[key])
 
@@ -101,13 +101,21 @@ def coordinator(path: Path, **kw: object) -> Driven:
     return Driven(path, federation=FED, secagg=True, rounds=1, min_clients=3, **kw)  # type: ignore[arg-type]
 
 
+def weight(c: Driven, cid: str, round_id: int) -> int:
+    """A device's FedAvg weight: its 10 samples times its round's planned multiplier (share encoding)."""
+    (plan,) = c.engine.store.round_plans(round_id)
+    return 10 * plan.weight_mult
+
+
 def expected(c: Driven, alive: Iterable[str]) -> list[np.ndarray]:
     n = c.engine.n_values
-    total = np.zeros(n, dtype=np.uint32)
+    total = np.zeros(n, dtype=np.uint16)
     members = sorted(alive)
     for cid in members:
-        total += encode_masked(delta(cid, n, 1), 10, PLAIN_FIXED, RING32.zeros(n))[0]
-    mean = decode_sum(total, 10 * len(members), PLAIN_FIXED)
+        total += encode_masked(
+            delta(cid, n, 1), weight(c, cid, 1), PLAIN_SHARE, RING16.zeros(n), key=cid.encode()
+        )[0]
+    mean = decode_sum(total, sum(weight(c, cid, 1) for cid in members), PLAIN_SHARE)
     out, pos = [], 0
     for w in c.engine.initial:
         out.append((w.astype(np.float64) + mean[pos : pos + w.size].reshape(w.shape)).astype(np.float32))
@@ -141,12 +149,13 @@ async def test_a_masked_round_gives_exactly_the_mean_of_the_updates(tmp_path: Pa
     await run_until(c, fleet, lambda: len(c.aggregates()) == 1)
     for got, want in zip(model(c), expected(c, DEVICES), strict=True):
         np.testing.assert_array_equal(got, want)
-    # what the coordinator held of one update is noise in Z_2^32, not the device's codes (all below 2^17)
+    # what the coordinator held of one update is noise in Z_2^16, not the device's codes (all small)
     n = c.engine.n_values
     sent = decode(fleet.sent["d0", 1])
-    assert isinstance(sent, MaskedUpdate)
-    codes = encode_masked(delta("d0", n, 1), 10, PLAIN_FIXED, RING32.zeros(n))[0]
-    assert int(codes.max()) < 2**17 and float(np.mean(sent.codes >= 2**31)) > 0.4
+    assert isinstance(sent, MaskedUpdate) and sent.ring_bits == 16
+    w = weight(c, "d0", 1)
+    codes = encode_masked(delta("d0", n, 1), w, PLAIN_SHARE, RING16.zeros(n), key=b"d0")[0]
+    assert int(np.abs(codes.view(np.int16)).max()) < 2**13 and float(np.mean(sent.codes >= 2**15)) > 0.4
     assert np.count_nonzero(sent.codes == codes) < 3
     await c.finish()
 
@@ -212,7 +221,7 @@ async def test_masking_messages_and_updates_outside_the_session_are_refused(tmp_
     plain = Update("d3", 1, 0, 10, (np.zeros(n, np.float32),))
     fleet.handle("d3", T.UPDATE, encode(plain))  # d3 is no partner
     fleet.handle("d0", T.UPDATE, encode(Update("d0", 1, 0, 10, (np.zeros(n, np.float32),))))  # unmasked
-    codes = np.zeros(n, dtype=np.int32)
+    codes = np.zeros(n, dtype=np.int16)
     fleet.handle("d1", T.UPDATE, encode(MaskedUpdate("d1", 1, 0, "other", 10, 10, (codes,))))
     got = c.engine.rejected.as_dict()
     assert got["not_partner"] == 1 and got["wrong_kind"] == 1 and got["wrong_session"] == 1, got

@@ -39,7 +39,7 @@ from fedsdk.crypto import FixedPoint, HEBackend
 from fedsdk.errors import ConfigError, CryptoError
 from fedsdk.masking import parse_floors
 from fedsdk.protocol import BaseMessage
-from fedsdk.secagg.plain import PLAIN_FIXED
+from fedsdk.secagg.plain import PLAIN_SHARE
 from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
@@ -146,7 +146,7 @@ class Strategy:
                 raise ConfigError(f"{exc}; run this backend with secure aggregation off") from None
         # the fixed point of the updates (under HE, or masked plaintext): the weight unit is planned for it
         self.fixed: FixedPoint | None = (
-            self.he.fixed if self.he is not None else (PLAIN_FIXED if self.secagg else None)
+            self.he.fixed if self.he is not None else (PLAIN_SHARE if self.secagg else None)
         )
 
     # -- plan ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ aggregation: Bonawitz et al. 2017, Bell et al. 2020 — what Flower users know a
 strategy is measured against. The coordinator holds the model: it averages, evaluates it on its own data
 when it has some, and can export it.
 
-Masked (the default, ``RoundConfig.secagg``): each device sends its fixed-point codes masked in Z_{2^32}
+Masked (the default, ``RoundConfig.secagg``): each device sends its fixed-point codes masked in Z_{2^16}
 (:class:`~fedsdk.protocol.MaskedUpdate`, :mod:`fedsdk.secagg.plain`); the coordinator adds them, adds the
 correction that removes the masks, and decodes the cluster's weighted mean: it never reads one device's
 update. Unmasked (``secagg=False``): float updates averaged as they are.
@@ -18,7 +18,7 @@ import numpy as np
 from fedsdk.errors import ValidationError
 from fedsdk.protocol import Aggregate, BaseMessage, EncryptedUpdate, MaskedUpdate, Update, encode
 from fedsdk.protocol.validate import check_update
-from fedsdk.secagg.plain import PLAIN_FIXED
+from fedsdk.secagg.plain import PLAIN_SHARE
 from fedsdk_coordinator.aggregate import fedavg, masked_fedavg
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
@@ -32,6 +32,12 @@ class FedAvg(Strategy):
     def budgets(self, plan: ClusterPlan) -> dict[str, float]:
         return dict.fromkeys(plan.members, 0.0)
 
+    def task_options(self, cluster_id: int, phase: str) -> dict[str, Any]:
+        options = super().task_options(cluster_id, phase)
+        if self.secagg:
+            options["plain_encoding"] = "share"  # int16 codes in Z_{2^16} (fedsdk.secagg.plain)
+        return options
+
     def check_reply(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
         if isinstance(msg, EncryptedUpdate):
             raise ValidationError("wrong_kind", "an encrypted update in a plaintext federation")
@@ -42,9 +48,12 @@ class FedAvg(Strategy):
                 raise ValidationError("wrong_session", f"an update masked for session {msg.session}")
             if msg.n_values != self.n_values:
                 raise ValidationError("wrong_shape", f"{msg.n_values} values, the model has {self.n_values}")
-            if msg.weight != PLAIN_FIXED.quantise_weight(msg.num_samples, rnd.weight_unit):
+            if msg.ring_bits != 16:
+                raise ValidationError("bad_dtype", "masked codes must be int16 (the task's plain_encoding)")
+            if msg.weight != PLAIN_SHARE.quantise_weight(msg.num_samples, rnd.weight_unit, rnd.weight_mult):
                 raise ValidationError(
-                    "bad_field", f"the weight must be the sample count in units of {rnd.weight_unit} samples"
+                    "bad_field",
+                    f"the weight must be the sample count times {rnd.weight_mult} over {rnd.weight_unit}",
                 )
         if isinstance(msg, Update):
             check_update(

@@ -33,7 +33,7 @@ from fedsdk.protocol import MaskRelay, MaskRoster, Task, UnmaskRequest
 from fedsdk.protocol import topics as T
 from fedsdk.secagg.identity import Signer, Trust
 from fedsdk.secagg.keys import Context
-from fedsdk.secagg.plain import RING32
+from fedsdk.secagg.plain import plain_encoding
 from fedsdk.secagg.ring import MaskRing
 from fedsdk.secagg.session import DeviceSession
 from fedsdk.transport import TlsConfig
@@ -77,7 +77,7 @@ def mask_shape(task: Task, size: int, he: HEBackend | None) -> tuple[MaskRing, i
     if session_of(task) is None:
         return None
     if str(task.config.get("mask", "none")) == "none":
-        return RING32, size
+        return plain_encoding(task.config)[1], size
     return None if he is None else (he.mask_ring(), he.mask_count(size))
 
 

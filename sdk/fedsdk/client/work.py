@@ -36,7 +36,7 @@ from fedsdk.errors import ConfigError, TrainingError, UpdateWithheld, Validation
 from fedsdk.model import OnnxModel, OnnxTrainer, TrainResult
 from fedsdk.noise import noise_clear, rdp_epsilon
 from fedsdk.protocol import BaseMessage, MaskedUpdate, Sketch, Task, Update
-from fedsdk.secagg.plain import PLAIN_FIXED, RING32, encode_masked
+from fedsdk.secagg.plain import encode_masked, plain_encoding
 from fedsdk.secagg.ring import MaskRing
 from fedsdk.selfaudit import check_threshold, self_audit
 
@@ -305,17 +305,17 @@ class Work:
         record: dict[str, Any],
         blind: BlindFor,
     ) -> tuple[BaseMessage, dict[str, Any]]:
-        """A plaintext strategy's masked update (``fedsdk.secagg.plain``): every value's weighted code,
-        masked in Z_{2^32}."""
+        """A plaintext strategy's masked update: every value's code, masked (``fedsdk.secagg.plain``)."""
         session = session_of(task)
         assert session is not None
         audit = self.check_own_update(task, base, flat, None, masked=session)
         metrics.update(audit)
         record.update(audit)
-        weight = _weight(PLAIN_FIXED, result.num_samples, task.config)
-        vector = self._blind(task, blind, RING32, flat.size, metrics)
+        fixed, ring = plain_encoding(task.config)
+        weight = _weight(fixed, result.num_samples, task.config)
+        vector = self._blind(task, blind, ring, flat.size, metrics)
         t0 = time.perf_counter()
-        codes, moved = encode_masked(flat, weight, PLAIN_FIXED, vector)
+        codes, moved = encode_masked(flat, weight, fixed, vector, key=self.device.client_id.encode())
         metrics.update(mask_encode_s=time.perf_counter() - t0, clipped=float(moved))  # no HE: not encode_s
         update = MaskedUpdate(
             client_id=self.device.client_id,
@@ -324,7 +324,7 @@ class Work:
             session=session,
             num_samples=result.num_samples,
             weight=weight,
-            values=(codes.view(np.int32),),
+            values=(codes.view(np.int16 if ring.bits == 16 else np.int32),),
             metrics=metrics,
         )
         return update, record

@@ -43,7 +43,7 @@ Scalar = str | int | float | bool
 _V = TypeVar("_V", bound=Scalar)
 
 #: dtypes allowed on the wire, by numpy name. Sections carry them little-endian.
-DTYPES: frozenset[str] = frozenset({"float32", "float64", "int32", "int64", "uint8", "bool"})
+DTYPES: frozenset[str] = frozenset({"float32", "float64", "int16", "int32", "int64", "uint8", "bool"})
 FLOAT_DTYPES: frozenset[str] = frozenset({"float32", "float64"})
 
 MAX_MAP_ENTRIES = 256

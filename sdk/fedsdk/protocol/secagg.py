@@ -414,9 +414,10 @@ class UnmaskShares(BaseMessage):
 @register
 @dataclass(frozen=True, eq=False, repr=False)
 class MaskedUpdate(BaseMessage):
-    """A plaintext strategy's update under secure aggregation: each value's fixed-point code, weighted by
-    ``weight`` and masked in Z_{2^32} (``fedsdk.secagg.plain``), as one int32 array holding the uint32
-    bits. Only the cluster's sum of them means anything."""
+    """A plaintext strategy's update under secure aggregation: each value's fixed-point code masked in
+    Z_{2^16} (the share encoding: one int16 array holding the uint16 bits) or, from devices of tasks that
+    do not ask for it, weighted by ``weight`` in Z_{2^32} (one int32 array); ``fedsdk.secagg.plain``. Only
+    the cluster's sum of them means anything."""
 
     KIND: ClassVar[MessageKind] = MessageKind.MASKED_UPDATE
     WIRE: ClassVar[Mapping[str, Wire]] = {
@@ -446,7 +447,9 @@ class MaskedUpdate(BaseMessage):
         _round_cluster(self)
         self._set("num_samples", check_int(self.num_samples, "num_samples", 1, MAX_SAMPLES))
         self._set("weight", check_int(self.weight, "weight", 1, MAX_WEIGHT))
-        values = _one(self.values, "values", "int32")
+        arrays = check_arrays(self.values, "values")
+        dtype = str(arrays[0].dtype) if len(arrays) == 1 else "int32"
+        values = _one(arrays, "values", dtype if dtype in ("int16", "int32") else "int32")
         if not 1 <= values[0].size <= MAX_VALUES:
             raise ValidationError("bad_shape", "values must hold at least one value")
         self._set("values", values)
@@ -458,6 +461,11 @@ class MaskedUpdate(BaseMessage):
         return int(self.values[0].size)
 
     @property
+    def ring_bits(self) -> int:
+        """16 (share encoding) or 32 (weighted codes)."""
+        return 8 * int(self.values[0].dtype.itemsize)
+
+    @property
     def codes(self) -> np.ndarray:
-        """The masked codes as uint32."""
-        return self.values[0].view(np.uint32)
+        """The masked codes as uint16 or uint32."""
+        return self.values[0].view(np.uint16 if self.ring_bits == 16 else np.uint32)
