@@ -72,16 +72,18 @@ from fedsdk.protocol import (
     Aggregate,
     EncryptedAggregate,
     EncryptedUpdate,
+    MaskedUpdate,
     Update,
     check_update,
     decode,
     encode,
 )
+from fedsdk.secagg.plain import PLAIN_SHARE, RING16, encode_masked
 from fedsdk.transport import MAX_MESSAGE_BYTES
-from fedsdk_coordinator.aggregate import fedavg
+from fedsdk_coordinator.aggregate import fedavg, masked_fedavg
 from fedsdk_coordinator.models import build_graphs, init_params, preset
 
-ARMS = ("plaintext", "fedsdk", "packed", "ckks")
+ARMS = ("plaintext", "masked", "fedsdk", "packed", "ckks")
 SEED, ROUND, CLUSTER = 0, 1, 0
 LR, MOMENTUM, BATCH, EPOCHS = 0.05, 0.9, 32, 1  # fedsdk_coordinator.rounds.RoundConfig defaults, 1 epoch
 TASK_SEED = SEED * 100_003 + ROUND  # the task's "seed" for round 1 (RoundConfig.seed · 100003 + round)
@@ -112,13 +114,17 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values))
 
 
-def run_plaintext(devices: list[Device], base: list[np.ndarray]) -> dict[str, Any]:
-    """Steps 2-5 for plain FedAvg: Update up, the new model down."""
+def run_plaintext(devices: list[Device], base: list[np.ndarray], masked: bool = False) -> dict[str, Any]:
+    """Steps 2-5 for plain FedAvg: Update up, the new model down. ``masked``: the plaintext strategy under
+    secure aggregation (every value's 16-bit code masked, ``fedsdk.secagg.plain``), no HE."""
     shapes = [tuple(w.shape) for w in base]
+    n_values = sum(int(np.prod(s)) for s in shapes)
     protect, payloads = [], []
-    for dev in devices:
+    weights = weights_for(PLAIN_SHARE, [d.num_samples for d in devices])
+    terms, fix = pair_masks(RING16, n_values, len(devices), np.random.default_rng(3))
+    for dev, w, t in zip(devices, weights, terms, strict=True):
         with Clock() as clock:
-            msg = Update(
+            msg: Update | MaskedUpdate = Update(
                 client_id=dev.client_id,
                 round_id=ROUND,
                 cluster_id=CLUSTER,
@@ -126,18 +132,25 @@ def run_plaintext(devices: list[Device], base: list[np.ndarray]) -> dict[str, An
                 delta=tuple(d.astype(np.float32) for d in dev.delta),
                 metrics={"train_s": dev.train.wall},
             )
+            if masked:
+                blind = RING16.expand_sum(t, n_values)
+                codes, _ = encode_masked(pipeline.flatten(dev.delta), w, PLAIN_SHARE, blind, key=b"d")
+                msg = MaskedUpdate(
+                    dev.client_id, ROUND, CLUSTER, "s", dev.num_samples, w, (codes.view(np.int16),)
+                )
             payload = encode(msg)
         protect.append(clock)
         payloads.append(payload)
     with Clock() as receive:
-        updates = []
+        updates: list[Any] = []
         for dev, payload in zip(devices, payloads, strict=True):
             up = decode(payload)
-            assert isinstance(up, Update)
-            check_update(up, round_id=ROUND, cluster_id=CLUSTER, shapes=shapes, sender=dev.client_id)
+            if not masked:
+                assert isinstance(up, Update)
+                check_update(up, round_id=ROUND, cluster_id=CLUSTER, shapes=shapes, sender=dev.client_id)
             updates.append(up)
     with Clock() as agg:
-        result = fedavg(base, updates)
+        result = masked_fedavg(base, updates, fix) if masked else fedavg(base, updates)
         new = [w.astype(np.float32) for w in result.weights]
         down = encode(
             Aggregate(
@@ -153,10 +166,13 @@ def run_plaintext(devices: list[Device], base: list[np.ndarray]) -> dict[str, An
         assert isinstance(got, Aggregate)
         applied = [np.array(w, dtype=np.float32) for w in got.weights]
     total = sum(d.num_samples for d in devices)
-    ref = sum(d.num_samples * pipeline.flatten(d.delta) for d in devices) / total
+    clip = PLAIN_SHARE.clip if masked else np.inf
+    ref = sum(d.num_samples * np.clip(pipeline.flatten(d.delta), -clip, clip) for d in devices) / total
     err = float(np.max(np.abs(pipeline.flatten(applied) - pipeline.flatten(base) - ref)))
+    bound = PLAIN_SHARE.error_bound(len(devices), sum(weights)) + 1e-6 if masked else None
+    assert bound is None or err <= bound, (err, bound)
     return {
-        "arm": "plaintext",
+        "arm": "masked" if masked else "plaintext",
         "pack_size": None,
         "ciphertexts_per_device": 0,
         "precompute_cpu_s": None,
@@ -172,7 +188,7 @@ def run_plaintext(devices: list[Device], base: list[np.ndarray]) -> dict[str, An
         "decrypt_apply_cpu_s": apply.cpu,
         "decrypt_apply_wall_s": apply.wall,
         "max_error": err,  # float32 model after the round against float64 FedAvg: rounding only
-        "quantisation_bound": None,
+        "quantisation_bound": bound,
     }
 
 
@@ -326,7 +342,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
         "| online CPU s | ÷ plaintext | idle s (pool + openings) | bytes up ÷ plaintext |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
-    for r in [plain, *steady]:
+    for r in [plain, *(r for r in rows if r["arm"] == "masked"), *steady]:
         st = r.get("steady") or {"open_share_cpu_s": 0.0, "merge_apply_cpu_s": r["decrypt_apply_cpu_s"],
                                  "refill_cpu_s": 0.0, "prepare_cpu_s": 0.0}  # fmt: skip
         online = r["train_cpu_s"] + r["protect_cpu_s"] + st["open_share_cpu_s"] + st["merge_apply_cpu_s"]
@@ -365,8 +381,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for arm in arms:
         t0 = time.perf_counter()
-        if arm == "plaintext":
-            row = run_plaintext(devices, base)
+        if arm in ("plaintext", "masked"):
+            row = run_plaintext(devices, base, masked=arm == "masked")
         else:
             row = run_he(arm, devices, base, args.key_bits)
         row["arm_wall_s"] = time.perf_counter() - t0

@@ -18,7 +18,7 @@ PARAMS = 64 * 64 + 64 + 64 * 10 + 10  # preset "mlp": 64 inputs, 64 hidden units
 
 
 def test_small_model_round_through_every_arm(tmp_path: Path) -> None:
-    arms = ["plaintext", "fedsdk", *(a for a in ("packed", "ckks") if a in available_backends())]
+    arms = ["plaintext", "masked", "fedsdk", *(a for a in ("packed", "ckks") if a in available_backends())]
     out = tmp_path / "bigmodel.json"
     cmd = [
         sys.executable,
@@ -49,7 +49,9 @@ def test_small_model_round_through_every_arm(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["fits_max_message"] and row["download_bytes"] > 0
         assert row["device_cpu_s"] == row["train_cpu_s"] + row["protect_cpu_s"] + row["decrypt_apply_cpu_s"]
-    for name in arms[1:]:
+    assert rows["masked"]["upload_bytes"] < 0.6 * plain["upload_bytes"]  # 16-bit codes: half a float32
+    assert rows["masked"]["max_error"] <= rows["masked"]["quantisation_bound"]
+    for name in arms[2:]:
         row = rows[name]
         assert row["max_error"] <= row["quantisation_bound"]
         assert row["ciphertexts_per_device"] == -(-PARAMS // row["pack_size"])
