@@ -204,6 +204,7 @@ class EmulatedClient(FedClient):
         self.timeline: dict[int, dict[str, float]] = {}
         self.sketch_timeline: dict[str, float] = {}
         self._fit_timing = (0.0, 0.0)
+        self.fit_cpu_s = 0.0  # local training CPU over every round (the report splits the training step)
         self._boundary = (0, 0)
         self._decrypt_s: dict[int, float] = {}  # emulated decryption time per applied round
         self._masking.vector = self._mask_vector  # the secure-aggregation mask, expanded at device speed
@@ -306,10 +307,7 @@ class EmulatedClient(FedClient):
                 self._control_taken += len(pool.take(packs))  # what encrypting the update would have used
         metrics = dict(getattr(msg, "metrics", {}))
         parts = self._emulated_parts(step, metrics)
-        with self.dilation._lock:  # the training step's CPU split: local training apart from the rest
-            fit = self.dilation.stats.setdefault("fit", {"steps": 0, "cpu_s": 0.0})
-            fit["steps"] += 1
-            fit["cpu_s"] += self._fit_timing[0]
+        self.fit_cpu_s += self._fit_timing[0]  # the training step's CPU: local training apart from the rest
         metrics.update(parts)
         msg = dataclasses.replace(msg, metrics=metrics)  # type: ignore[type-var]
         record = dict(record)
@@ -397,6 +395,7 @@ class EmulatedClient(FedClient):
             "timeline": {str(r): row for r, row in self.timeline.items()},
             "sketch_timeline": self.sketch_timeline,
             "dilation": self.dilation.stats,
+            "fit_cpu_s": self.fit_cpu_s,
             "transport": self._transport.stats,
             "he_values_per_cpu_s": self.he_values_per_cpu_s,
             "control_pool": None

@@ -173,9 +173,10 @@ def arm_metrics(result: dict[str, Any]) -> dict[str, Any]:
     emu = {"cpu_s": 0.0, "emulated_s": 0.0, "overrun_s": 0.0, "late_s": 0.0}
     by_step: dict[str, float] = {}
     for d in devices:
+        by_step["fit"] = by_step.get("fit", 0.0) + float(d.get("fit_cpu_s", 0.0))
         for kind, s in d.get("dilation", {}).items():
             by_step[kind] = by_step.get(kind, 0.0) + float(s.get("cpu_s", 0.0))
-            if kind not in ("pool", "fit"):
+            if kind != "pool":
                 for k in emu:
                     emu[k] += float(s.get(k, 0.0))
     sk = [d["sketch_timeline"] for d in devices if d.get("sketch_timeline")]

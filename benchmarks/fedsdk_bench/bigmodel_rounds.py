@@ -13,6 +13,7 @@ import numpy as np
 from fedsdk import pipeline
 from fedsdk.crypto import ObfuscatorPool, generate_backend, load_backend
 from fedsdk.crypto.fixedpoint import FixedPoint
+from fedsdk.crypto.packed import PackedPaillierBackend
 from fedsdk.crypto.share import ErrorFeedback
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_iid
@@ -166,7 +167,7 @@ def accuracy_run(
     shapes = [tuple(w.shape) for w in base]
     out: dict[str, Any] = {"rounds": rounds, "encoding": dict(params)}
     for arm in ("float32", "share", "share+feedback"):  # feedback: measured, off in the product
-        devs = [load_backend("packed", params, public_bytes) for _ in trainers]
+        devs = [PackedPaillierBackend.from_bytes(params, public_bytes) for _ in trainers]
         for d in devs:
             d.feedback = ErrorFeedback() if arm == "share+feedback" else None
         weights = [w.copy() for w in base]
