@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,17 +28,18 @@ def _need_mosquitto() -> None:
     require_mosquitto()
 
 
-async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_path: Path) -> None:
-    total = 700  # the key's T: three devices of ~479 samples hold twice as many
-    with generate_backend("packed", key_bits=1024, max_devices=16, max_total_weight=total) as he:
+Run = tuple[Any, list[int], list[Any], list[Any], dict[str, Any], list[Any]]
+
+
+async def federate(tmp_path: Path, **key: int) -> Run:
+    """Three digit devices with packed keys of ``key`` (1024 bits), two rounds of ``fedsdk`` over mosquitto:
+    the key's fixed point, the sample counts, the summaries, round 1's plans, its replies, the clients."""
+    with generate_backend("packed", key_bits=1024, **key) as he:
         public = save_he(tmp_path / "he-public", he, include_secret=False)
         secret = save_he(tmp_path / "he-device", he, include_secret=True)
         fixed = he.fixed  # type: ignore[attr-defined]
     digits = load_digits(shape="flat")
     part = partition_iid(digits.y_train, 3, seed=0)
-    counts = [len(idx) for idx in part.indices]
-    unit = fixed.weight_unit(counts)
-    assert unit == 3 and sum(counts) > total, counts  # the bound binds: weights cannot be the sample counts
     rounds = RoundConfig(
         federation=f"wu{secrets.token_hex(3)}", rounds=2, min_clients=3, start_clients=3, strategy="fedsdk",
         clustering=False, farewell_s=5.0,
@@ -52,6 +54,16 @@ async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_p
             plans = engine.store.round_plans(1)
             replies = {cid: engine.open_rounds[0].replies.get(cid) for cid in ("d0", "d1", "d2")}
     assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
+    return fixed, [len(idx) for idx in part.indices], summaries, plans, replies, clients
+
+
+async def test_a_round_past_the_total_weight_bound_weighs_devices_in_units(tmp_path: Path) -> None:
+    total = 700  # the key's T: three devices of ~479 samples hold twice as many
+    fixed, counts, summaries, plans, replies, clients = await federate(
+        tmp_path, max_devices=16, max_total_weight=total
+    )
+    unit = fixed.weight_unit(counts)
+    assert unit == 3 and sum(counts) > total, counts  # the bound binds: weights cannot be the sample counts
     assert [p.weight_unit for p in plans] == [unit]  # planned and persisted with the round
     weights = {cid: msg.weight for cid, msg in replies.items() if msg is not None}
     assert weights == {f"d{i}": fixed.quantise_weight(n, unit) for i, n in enumerate(counts)}
@@ -68,30 +80,10 @@ async def test_a_round_of_few_samples_under_the_share_encoding_weighs_devices_by
     """The default key's share encoding (``fedsdk.crypto.share``): the mean's resolution is 2**-f·T/W, so the
     coordinator multiplies small sample counts until the weights sum to near T; the task carries the
     multiplier and every device weighs its update with it."""
-    with generate_backend("packed", key_bits=1024) as he:
-        public = save_he(tmp_path / "he-public", he, include_secret=False)
-        secret = save_he(tmp_path / "he-device", he, include_secret=True)
-        fixed = he.fixed  # type: ignore[attr-defined]
+    fixed, counts, summaries, plans, replies, _ = await federate(tmp_path)
     assert fixed.share
-    digits = load_digits(shape="flat")
-    part = partition_iid(digits.y_train, 3, seed=0)
-    counts = [len(idx) for idx in part.indices]
     mult = fixed.weight_mult(counts)
     assert mult == (fixed.max_total - 3) // sum(counts) > 1, counts
-    rounds = RoundConfig(
-        federation=f"wm{secrets.token_hex(3)}", rounds=2, min_clients=3, start_clients=3, strategy="fedsdk",
-        clustering=False, farewell_s=5.0,
-    )  # fmt: skip
-    with start_mosquitto(tmp_path / "mosq") as broker:
-        async with coordinator(tmp_path, broker, rounds, he_dir=public) as engine:
-            clients = digit_devices(
-                broker, engine, digits, part, he_dir=secret, eval_data=(digits.x_test, digits.y_test)
-            )
-            async with clients[0], clients[1], clients[2]:
-                summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 200)
-            plans = engine.store.round_plans(1)
-            replies = {cid: engine.open_rounds[0].replies.get(cid) for cid in ("d0", "d1", "d2")}
-    assert all(s.state == "finished" and s.applied_rounds == [1, 2] for s in summaries), summaries
     assert [(p.weight_unit, p.weight_mult) for p in plans] == [(1, mult)]
     weights = {cid: msg.weight for cid, msg in replies.items() if msg is not None}
     assert weights == {f"d{i}": n * mult for i, n in enumerate(counts)}
