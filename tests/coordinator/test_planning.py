@@ -65,7 +65,7 @@ def test_under_the_share_encoding_the_plan_and_the_task_carry_a_weight_multiplie
     fast = Measured(he_values_per_s=1e7, uplink_bytes_per_s=1e8, train_s=0.01)
     samples = {"a": 10, "b": 20, "c": 5}
     (rnd,) = plan_rounds(3, {0: ["a", "b", "c"]}, s, dict.fromkeys(samples, fast), samples)
-    assert rnd.weight_unit == 1 and rnd.weight_mult == (he.fixed.max_total - 3) // 35
+    assert rnd.weight_unit == 1 and rnd.weight_mult == (he.fixed.max_total - 3) * 3 // 4 // 35
     weights = [he.fixed.quantise_weight(n, 1, rnd.weight_mult) for n in samples.values()]
     assert he.fixed.max_total / 2 < sum(weights) <= he.fixed.max_total
     assert rnd.as_plan().weight_mult == rnd.weight_mult

@@ -83,7 +83,7 @@ async def test_a_round_of_few_samples_under_the_share_encoding_weighs_devices_by
     fixed, counts, summaries, plans, replies, _ = await federate(tmp_path)
     assert fixed.share
     mult = fixed.weight_mult(counts)
-    assert mult == (fixed.max_total - 3) // sum(counts) > 1, counts
+    assert mult == (fixed.max_total - 3) * 3 // 4 // sum(counts) > 1, counts
     assert [(p.weight_unit, p.weight_mult) for p in plans] == [(1, mult)]
     weights = {cid: msg.weight for cid, msg in replies.items() if msg is not None}
     assert weights == {f"d{i}": n * mult for i, n in enumerate(counts)}

@@ -223,13 +223,15 @@ class FixedPoint:
 
     def weight_mult(self, sample_counts: Sequence[int]) -> int:
         """Under the share encoding, weight units per sample for a round whose weight unit is 1: the largest
-        m with ``m·Σ n ≤ T − D`` and ``m·max n ≤ max_weight``, so that the round's total weight W is near
-        T and the mean's resolution ``2**-f·T/W`` (``fedsdk.crypto.share``) within a factor of 2 of
-        ``2**-f``; 1 for the weighted encoding, whose resolution does not depend on W."""
+        m with ``m·Σ n ≤ 3/4·(T − D)`` and ``m·max n ≤ max_weight``, so that the round's total weight W is
+        near T and the mean's resolution ``2**-f·T/W`` (``fedsdk.crypto.share``) near ``2**-f``, with room
+        for devices that train on a third more samples than they announced; 1 for the weighted encoding,
+        whose resolution does not depend on W."""
         counts = [max(1, int(n)) for n in sample_counts]
         if not self.share or not counts or len(counts) >= self.max_total:
             return 1
-        return max(1, min((self.max_total - len(counts)) // sum(counts), int(self.max_weight) // max(counts)))
+        room = (self.max_total - len(counts)) * 3 // 4
+        return max(1, min(room // sum(counts), int(self.max_weight) // max(counts)))
 
     @staticmethod
     def quantise_weight(num_samples: int, unit: int, mult: int = 1) -> int:
