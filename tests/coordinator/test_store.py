@@ -62,3 +62,26 @@ def test_the_run_tag_is_kept_with_the_state_directory(tmp_path: Path) -> None:
         others.add(other.run_tag())
         other.close()
     assert tag not in others and len(others) == 4
+
+
+def test_a_store_from_before_the_plan_columns_reads_its_plans_with_their_defaults(tmp_path: Path) -> None:
+    """Round plans written before the weight unit, secure aggregation and the share encoding's multiplier
+    existed read back as unit 1, unmasked, multiplier 1; new plans keep their multiplier."""
+    import sqlite3
+
+    from fedsdk_coordinator.store.records import RoundPlan
+
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE round_plan (round_id INTEGER NOT NULL, cluster_id INTEGER NOT NULL, "
+        "participants TEXT NOT NULL, budgets TEXT NOT NULL, PRIMARY KEY (round_id, cluster_id))"
+    )
+    db.execute('INSERT INTO round_plan VALUES (1, 0, \'["a", "b"]\', \'{"a": 1.0, "b": 0.5}\')')
+    db.commit()
+    db.close()
+    with Store(path) as store:
+        (old,) = store.round_plans(1)
+        assert (old.participants, old.weight_unit, old.session, old.weight_mult) == (("a", "b"), 1, "", 1)
+        store.plan_round([RoundPlan(2, 0, ("a", "b"), {"a": 1.0, "b": 1.0}, 1, "s", 37)])
+        assert store.round_plans(2)[0].weight_mult == 37
