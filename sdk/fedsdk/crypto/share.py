@@ -10,7 +10,8 @@ rounding, so the slot holds a value of the aggregate itself, not of one device:
    ``E[q] = t·a·2**f`` and ``|q − t·a·2**f| < 1``. ξ comes from a generator seeded with a hash of the
    update, its weight and a key of the device (the HE secret where the device holds it, else the public
    key), so that the same update encodes to the same codes: a device that computes a round's update again
-   after a restart sends what it would have sent, and a federation run twice gives the same models;
+   after a restart sends what it would have sent, and a federation run twice with the same keys gives the
+   same models;
 3. pack: slot j of a pack is ``q_j`` as a signed digit: the pack is the integer ``P = Σ_j q_j·2**(s·j)``,
    formed as the non-negative pack of ``q_j + H`` (H = 2**(s−1)) minus ``C = Σ_j H·2**(s·j)``.
 
