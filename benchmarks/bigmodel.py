@@ -63,6 +63,7 @@ from fedsdk import pipeline
 from fedsdk.crypto import Contribution, HEBackend, generate_backend, load_backend
 from fedsdk.crypto._paillier_base import PaillierFamily
 from fedsdk.crypto.bench import machine_info
+from fedsdk.crypto.bench import product_weights as weights_for
 from fedsdk.crypto.fixedpoint import clip_values
 from fedsdk.model import OnnxModel, OnnxTrainer
 from fedsdk.model.data import load_digits, partition_iid
@@ -79,7 +80,6 @@ from fedsdk.protocol import (
 from fedsdk.secagg.plain import PLAIN_SHARE, RING16, encode_masked
 from fedsdk.transport import MAX_MESSAGE_BYTES
 from fedsdk_bench.bigmodel_rounds import Clock, Device, accuracy_run, pair_masks, steady_round, wait_full
-from fedsdk_bench.bigmodel_rounds import product_weights as weights_for
 from fedsdk_coordinator.aggregate import fedavg, masked_fedavg
 from fedsdk_coordinator.models import build_graphs, init_params, preset
 

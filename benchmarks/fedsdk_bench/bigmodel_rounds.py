@@ -12,7 +12,7 @@ import numpy as np
 
 from fedsdk import pipeline
 from fedsdk.crypto import ObfuscatorPool, generate_backend, load_backend
-from fedsdk.crypto.fixedpoint import FixedPoint
+from fedsdk.crypto.bench import product_weights
 from fedsdk.crypto.packed import PackedPaillierBackend
 from fedsdk.crypto.share import ErrorFeedback
 from fedsdk.model import OnnxModel, OnnxTrainer
@@ -130,14 +130,6 @@ def steady_round(
         "share_ciphertexts": float(len(own)),
         "merge_apply_cpu_s": merge.cpu,
     }
-
-
-def product_weights(fixed: FixedPoint, counts: list[int]) -> list[int]:
-    """The FedAvg weights the coordinator gives devices of these sample counts (unit, and the share
-    encoding's multiplier)."""
-    unit = fixed.weight_unit(counts)
-    mult = fixed.weight_mult(counts) if unit == 1 else 1
-    return [fixed.quantise_weight(n, unit, mult) for n in counts]
 
 
 def accuracy_run(

@@ -74,7 +74,7 @@ def plan_rounds(
         budgets = strategy.budgets(ClusterPlan(members, k, measured, shares))
         counts = [samples.get(cid, 1) for cid in members]
         unit = weight_unit(strategy.fixed, counts)
-        mult = 1 if strategy.fixed is None or unit > 1 else strategy.fixed.weight_mult(counts)
+        mult = 1 if strategy.fixed is None else strategy.fixed.weight_mult(counts)
         session = secrets.token_hex(8) if strategy.secagg else ""
         rounds.append(
             RoundState(round_id, k, set(members), now, budgets=budgets, shares=shares, weight_unit=unit,

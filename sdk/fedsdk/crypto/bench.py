@@ -118,9 +118,10 @@ def bench_phe(key_bits: int, sample: int, rng: np.random.Generator) -> dict[str,
 
 def product_weights(fixed: FixedPoint, sample_counts: list[int]) -> list[int]:
     """The weights the product gives devices holding ``sample_counts`` samples in one round: each count
-    over the round's weight unit (:meth:`FixedPoint.weight_unit`), so that they sum to at most T."""
-    unit = fixed.weight_unit(sample_counts)
-    return [fixed.quantise_weight(n, unit) for n in sample_counts]
+    times the round's multiplier over its weight unit (:meth:`FixedPoint.weight_unit`,
+    :meth:`FixedPoint.weight_mult`), so that they sum to at most T."""
+    unit, mult = fixed.weight_unit(sample_counts), fixed.weight_mult(sample_counts)
+    return [fixed.quantise_weight(n, unit, mult) for n in sample_counts]
 
 
 def bench_backend(

@@ -222,7 +222,7 @@ class FixedPoint:
         return max(1, total_unit, device_unit)
 
     def weight_mult(self, sample_counts: Sequence[int]) -> int:
-        """Under the share encoding, weight units per sample for a round whose weight unit is 1: the largest
+        """Under the share encoding, weight units per sample (1 where the weight unit is above 1): the largest
         m with ``m·Σ n ≤ 3/4·(T − D)`` and ``m·max n ≤ max_weight``, so that the round's total weight W is
         near T and the mean's resolution ``2**-f·T/W`` (``fedsdk.crypto.share``) near ``2**-f``, with room
         for devices that train on a third more samples than they announced; 1 for the weighted encoding,
