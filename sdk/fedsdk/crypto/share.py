@@ -56,7 +56,15 @@ import numpy as np
 from fedsdk.crypto.fixedpoint import FixedPoint, clip_values, pack_slots, unpack_slots
 from fedsdk.errors import CiphertextError, EncodingError
 
-__all__ = ["ErrorFeedback", "SignedPacks", "rounding_key", "rounding_rng", "share_codes", "stochastic_round"]
+__all__ = [
+    "ErrorFeedback",
+    "SignedPacks",
+    "rounding_key",
+    "rounding_rng",
+    "share_codes",
+    "share_mean",
+    "stochastic_round",
+]
 
 
 def stochastic_round(v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -88,8 +96,9 @@ class ErrorFeedback:
 
 def rounding_key(keys: Any) -> bytes:
     """The key of a device's rounding seeds: a hash of its Paillier secret where it holds it (key mode
-    ``shared``), else of the public key (key mode ``keyserver``: the coordinator could then recompute the
-    rounding of a clear, unmasked pack, that is the value within float precision rather than one code)."""
+    ``shared``), else of the public key (key mode ``keyserver``). The seed also hashes the update's exact
+    values, so even a known key lets nobody recompute the rounding without the update itself: at most, one
+    who guessed a whole update exactly could confirm the guess from a clear, unmasked pack."""
     raw = keys.secret_bytes() if keys.has_secret else keys.public_bytes()
     return hashlib.sha256(b"fedsdk share rounding\0" + raw).digest()
 
@@ -177,6 +186,11 @@ class SignedPacks:
         return sums
 
     def mean(self, packs: Sequence[Any], total_weight: int) -> np.ndarray:
-        """The decoded weighted mean, ``S / 2**f · T / W`` per slot (float64, ``(packs, k)``)."""
-        f = self.fixed
-        return self.digits(packs).astype(np.float64) * (f.max_total / (float(f.scale) * int(total_weight)))
+        """The decoded weighted mean per slot (float64, ``(packs, k)``, :func:`share_mean`)."""
+        return share_mean(self.fixed, self.digits(packs), total_weight)
+
+
+def share_mean(fixed: FixedPoint, sums: np.ndarray, total_weight: int) -> np.ndarray:
+    """The weighted mean of slot sums ``S`` of the share encoding: ``S / 2**f · T / W`` (module docstring,
+    Decoding)."""
+    return np.asarray(sums).astype(np.float64) * (fixed.max_total / (float(fixed.scale) * int(total_weight)))

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from fedsdk.crypto.fixedpoint import FixedPoint
-from fedsdk.crypto.share import share_codes
+from fedsdk.crypto.share import share_codes, share_mean
 from fedsdk.errors import ConfigError, EncodingError
 from fedsdk.secagg.ring import Ring
 
@@ -90,7 +90,7 @@ def decode_sum(total: np.ndarray, total_weight: int, fixed: FixedPoint) -> np.nd
             raise EncodingError(
                 "a masked sum beyond O + D: the masks did not cancel, or the weights are wrong"
             )
-        return sums.astype(np.float64) * (fixed.max_total / (float(fixed.scale) * total_weight))
+        return share_mean(fixed, sums, total_weight)
     raw = np.asarray(total, dtype=np.uint32).astype(np.int64)
     if np.any(raw > total_weight * fixed.max_code):
         raise EncodingError("a masked sum above W·U: the masks did not cancel, or the weights are wrong")
