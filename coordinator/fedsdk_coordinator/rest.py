@@ -117,6 +117,7 @@ def clusters_view(engine: RoundEngine, store: Store) -> dict[str, Any]:
         "devices": 0 if c is None else len(c.labels),
         "best_split": best_split(c),
         "steps": [] if c is None else [step.as_dict() for step in c.steps],
+        "split": engine.split,  # the proposed clusters' trial and its verdicts (engine/trial.py), if any
         # the first training round is planned as soon as the clustering is decided
         "decided_at": min(first_round) if c is not None and first_round else None,
     }

@@ -51,9 +51,10 @@ from fedsdk_coordinator.engine.masking import new_session, republish
 from fedsdk_coordinator.engine.outbox import Outbox, Publish
 from fedsdk_coordinator.engine.planning import failed_on_device, group_by_cluster, plan_rounds
 from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, without_lacking
-from fedsdk_coordinator.engine.sketching import refine_clusters, run_sketch_round
+from fedsdk_coordinator.engine.sketching import run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
 from fedsdk_coordinator.engine.tasks import make_status, make_task
+from fedsdk_coordinator.engine.trial import before_round
 from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.resume import check_identity, load_resume
 from fedsdk_coordinator.store import Store
@@ -322,8 +323,7 @@ class RoundEngine(FederationState):
         """Group the online devices by cluster, fix each one's budget (the strategy's), persist the plan.
         A device a clustered federation has no cluster for gets a sketch task instead."""
         self.planned_at = self.arrivals
-        if self.clustering is not None and 0 < self.config.recluster_after <= self.late_sketches:
-            await refine_clusters(self, round_id)
+        await before_round(self, round_id)  # the proposed clusters' trial, late joiners' re-clustering
         skip = self.retry_without.get(round_id, {})
         online = [c for c in await without_lacking(self, round_id) if c not in skip]
         groups, unsketched = group_by_cluster(online, self.clusters, self.clustered)

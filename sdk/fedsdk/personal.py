@@ -165,9 +165,15 @@ def personalise(
     seed: int,
     round_id: int = 0,
     weight_decay: float = 0.0,
+    previous: Sequence[np.ndarray] | None = None,
 ) -> PersonalModel:
-    """Fine-tune ``weights`` (the cluster model) on ``train`` for up to ``epochs`` epochs and choose, by the
-    held-out metric (:func:`choose`), between it and the fine-tuned model after each epoch.
+    """Fine-tune the better base for up to ``epochs`` epochs and choose, by the held-out metric
+    (:func:`choose`), among the cluster model ``weights``, the device's ``previous`` personal model (the
+    one it used after the last round, when that was a personal one) and the fine-tuned model after each
+    epoch. The base is the cluster model unless ``previous`` passes :func:`choose`'s test against it: a
+    personal model that keeps winning goes on training from itself round after round (a device whose data
+    is unlike its cluster's gets as far as training alone would), and one the cluster model has caught up
+    with is dropped for it.
 
     Pure: ``weights`` are never modified. When the cluster model is chosen, :attr:`PersonalModel.weights`
     holds the very arrays given (no copy). ``seed`` fixes the shuffling (and dropout masks).
@@ -180,12 +186,24 @@ def personalise(
     hx, hy = held_out
     per0, met0 = model.per_sample(cluster, hx, hy)
     losses, scores, evidence = [float(per0.mean())], [float(met0.mean())], [0.0]
-    best_k, best = 0, cluster
+    models: list[list[np.ndarray]] = [cluster]
+    base = cluster
+    if previous is not None and [p.shape for p in previous] == [p.shape for p in cluster]:
+        per, met = model.per_sample(list(previous), hx, hy)
+        losses.append(float(per.mean()))
+        scores.append(float(met.mean()))
+        evidence.append(paired_t(per0, per))
+        models.append(list(previous))
+        if choose(scores, metric, evidence, losses) == 1:
+            base = list(previous)
+    first = len(models)  # index of the model after fine-tune epoch 1
+    best_k = choose(scores, metric, evidence, losses)
+    best = models[best_k]
     if epochs:
         x, y_checked = model.check_batch(*train)
         assert y_checked is not None
         y = y_checked
-        params = [p.copy() for p in model.check_params(cluster)]  # never alias the cluster model
+        params = [p.copy() for p in model.check_params(base)]  # never alias the cluster model
         opt = SGD(lr, momentum, weight_decay)
         rng = np.random.default_rng(seed)
         n = len(x)
@@ -205,15 +223,14 @@ def personalise(
             losses.append(float(per.mean()))
             scores.append(float(met.mean()))
             evidence.append(paired_t(per0, per))
-            if choose(scores, metric, evidence, losses) == k:  # a new best: keep this checkpoint
-                best_k, best = k, [p.copy() for p in params]
+            if choose(scores, metric, evidence, losses) == len(scores) - 1:  # a new best: keep it
+                best_k, best = len(scores) - 1, [p.copy() for p in params]
     chosen = choose(scores, metric, evidence, losses)
     assert chosen == best_k
     seconds = time.perf_counter() - start
+    ft = max(0, chosen - first + 1)  # fine-tune epochs of the chosen model (0: the cluster or previous one)
+    metrics = personal_metrics(metric, losses[chosen], scores[chosen], ft, chosen > 0, seconds)
+    metrics["personal_base"] = 1.0 if base is not cluster else 0.0  # fine-tuned from its previous model
     return PersonalModel(
-        round_id=round_id,
-        weights=best,
-        uses_personal=chosen > 0,
-        epochs=chosen,
-        metrics=personal_metrics(metric, losses[chosen], scores[chosen], chosen, chosen > 0, seconds),
+        round_id=round_id, weights=best, uses_personal=chosen > 0, epochs=ft, metrics=metrics
     )

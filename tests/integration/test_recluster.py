@@ -42,13 +42,14 @@ async def test_late_devices_of_a_new_group_split_off_with_the_parents_model(
     """Eight devices at 0° and 90° form two clusters; four devices at 180° join after round 1, are put in
     the nearest cluster, and once the four sketches are in (``recluster_after=4``: one re-clustering),
     they split off before the next round into a new cluster 2 that starts from its parent's model, while
-    clusters 0 and 1 keep their ids and members."""
+    clusters 0 and 1 keep their ids and members (``split_after=0``: the sketches decide at the sketch round,
+    without the trial of engine/trial.py, whose turns would move every device)."""
     shares = _rotated(12, seed=0)
     first = [i for i in range(12) if i % 3 != 2]
     late = [i for i in range(12) if i % 3 == 2]
     rounds = RoundConfig(
         federation="recluster", rounds=12, min_clients=8, start_clients=8, deadline_s=30, epochs=5, seed=0,
-        clustering=True, report_timeout_s=10, recluster_after=4,
+        clustering=True, report_timeout_s=10, recluster_after=4, split_after=0,
     )  # fmt: skip
     caplog.set_level(logging.INFO, logger="fedsdk.progress.rounds")
     async with coordinator(tmp_path, broker, rounds) as engine:

@@ -58,6 +58,22 @@ def add_strategy_options(
         help="re-cluster (clusters may split, never merge) once N devices joined late sent sketches "
         "(0: never; docs/clustering.md)",
     )
+    g.add_argument(
+        "--split-after",
+        type=int,
+        default=None,
+        metavar="S",
+        help="rounds of the shared model before the proposed clusters' trial (0: the sketches decide alone, "
+        "at once; default from --rounds; docs/clustering.md)",
+    )
+    g.add_argument(
+        "--trial-rounds",
+        type=int,
+        default=None,
+        metavar="K",
+        help="rounds each of the shared model and the proposed clusters trains in the trial (default from "
+        "--rounds)",
+    )
     g.add_argument("--uniform-budget", type=float, default=0.1, help="maskcrypt's encrypted fraction")
     g.add_argument("--target-round", type=float, default=None, help="seconds the deadline budgets aim at")
     g.add_argument(
@@ -152,6 +168,8 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dp_epsilon": args.dp_epsilon,
         "sketch_dim": args.sketch_dim,
         "recluster_after": args.recluster_after,
+        "split_after": args.split_after,
+        "trial_rounds": args.trial_rounds,
         "uniform_budget": args.uniform_budget,
         "target_round_s": args.target_round,
         "budget_cap": args.budget_cap,

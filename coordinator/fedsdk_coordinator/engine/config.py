@@ -58,6 +58,10 @@ class RoundConfig:
         2  # late sketches that make the next round re-cluster (clustering.refine; 0: never)
     )
     dp_clip: float = 1.0
+    # shared-model rounds before the proposed clusters start, and their trial's rounds (engine/trial.py;
+    # None: from ``rounds``; split_after 0: the sketches decide alone, at the sketch round)
+    split_after: int | None = None
+    trial_rounds: int | None = None
     report_timeout_s: float = 30.0
     heartbeat_s: float = 30.0  # the retained status is published again this often (devices' idle bound)
     farewell_s: float = 10.0  # after the last round, how long to wait for online devices to say goodbye
@@ -95,6 +99,12 @@ def check_config(c: RoundConfig) -> None:
         raise ConfigError(f"share_wait_s must be in [0, 3600], got {c.share_wait_s}")
     if not 8 <= c.sketch_size <= 4096 or c.sketch_size % 8:
         raise ConfigError(f"sketch_dim must be a multiple of 8 in [8, 4096], got {c.sketch_size}")
+    if (c.split_after or 0) < 0 or (c.trial_rounds is not None and c.trial_rounds < 1):
+        raise ConfigError("split_after must be >= 0 and trial_rounds >= 1")
+    if c.split_after or c.trial_rounds is not None:
+        from fedsdk_coordinator.engine.trial import schedule
+
+        schedule(c.rounds, c.split_after, c.trial_rounds)  # ConfigError when they leave no room
     if c.recluster_after < 0:
         raise ConfigError(f"recluster_after must be >= 0, got {c.recluster_after}")
     if c.key_mode not in ("shared", "keyserver"):

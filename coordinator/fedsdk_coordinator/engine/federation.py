@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class FederationState:
         self.certs_sent: dict[str, dict[str, bytes]] = {}  # per device: the certificates its rosters carried
         self.clusters: dict[str, int] = {}
         self.clustering: Clustering | None = None
+        self.split: dict[str, Any] | None = None  # the proposed clusters' trial (engine/trial.py)
         self.models: dict[int, list[np.ndarray]] = {}  # each cluster's plaintext model, when held
         self.sketches: dict[str, np.ndarray] = {}
         self.sketch_round: RoundState | None = None

@@ -45,10 +45,10 @@ from fedsdk.protocol import (
 from fedsdk.protocol import topics as T
 from fedsdk.protocol.validate import check_kind
 from fedsdk.ratelog import LimitedLog
-from fedsdk_coordinator.clustering import assign_nearest
 from fedsdk_coordinator.engine.masking import check_partner, on_masking
 from fedsdk_coordinator.engine.measure import Measured, record_report, record_update
 from fedsdk_coordinator.engine.state import RoundState
+from fedsdk_coordinator.engine.trial import late_cluster
 from fedsdk_coordinator.failpoints import reached
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class Inbound:
         elif client_id in e.clusters and e.clustering is not None:
             e.resent += 1  # a sketch re-sent after clustering: the device already has its cluster
         elif e.clustering is not None:
-            k = assign_nearest(e.clustering, vec)
+            k = late_cluster(e, client_id, vec)
             e.clusters[client_id] = k
             e.store.set_cluster(client_id, k)
             e.sketches[client_id] = vec  # new evidence: the next round may split its cluster (rounds.py)

@@ -161,7 +161,9 @@ class ModelRelays:
         for c in online:
             if c in members:
                 best[members[c]] = max(best.get(members[c], -1), self.held.get(c, -1))
-        return best
+        # a device's held round may be of another cluster's model (the trial of proposed clusters takes
+        # turns with the shared model: engine/trial.py); no cluster's model is newer than its last aggregate
+        return {k: min(b, self.newest[k]) if k in self.newest else b for k, b in best.items()}
 
     def target(
         self, client_id: str, cluster: int | None, members: Mapping[str, int], online: Iterable[str]
@@ -213,9 +215,9 @@ class ModelRelays:
         sent = 1 if asked is None else asked[2] + 1
         assert cluster is not None  # a target implies a cluster
         holders = [
-            c for c in ids if c != client_id and members.get(c) == cluster and self.held.get(c) == target
+            c for c in ids if c != client_id and members.get(c) == cluster and self.held.get(c, -1) >= target
         ]
-        holder = sorted(holders)[0]
+        holder = min(holders, key=lambda c: (self.held.get(c) != target, c))
         self._asked[client_id] = (holder, now, sent)
         msg = ModelRequest(round_id=target, cluster_id=cluster, for_client=client_id)
         self._post(T.down(self.federation, holder), encode(msg))

@@ -14,6 +14,7 @@ from fedsdk.protocol import Error, is_declined
 from fedsdk_coordinator.clustering import cluster_sketches, describe
 from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.state import RoundState, wait_with_grace
+from fedsdk_coordinator.engine.trial import SHARED, propose
 from fedsdk_coordinator.refine import refine
 from fedsdk_coordinator.store import RoundPlan
 
@@ -69,12 +70,24 @@ async def run_sketch_round(e: RoundEngine) -> str:
     # Under secure aggregation no cluster is smaller than min_aggregate: a smaller one could never form a
     # sum its devices accept, and its sum would be too few devices' updates (docs/threat-model.md).
     least = min_cluster_devices(c)
-    e.clustering = await loop.run_in_executor(
+    found = await loop.run_in_executor(
         None, lambda: cluster_sketches(sketches, seed=c.seed, min_cluster_size=least)
     )
+    e.clustering = propose(e, found)  # a proposal the shared model's devices try out (engine/trial.py)
     e.store.save_clustering(e.clustering)
     e.clusters.update(e.clustering.labels)
-    progress.info("clustering: %s", describe(e.clustering))
+    if e.split is not None:
+        for cid in e.clustering.labels:
+            e.clusters[cid] = SHARED
+            e.store.set_cluster(cid, SHARED)
+        s, k = e.split["split_after"], e.split["trial_rounds"]
+        progress.info(
+            "clustering proposed: %s; every device trains the shared model to round %d, then it and the "
+            "proposed clusters take turns for %d rounds; a cluster is kept where it beats the shared model",
+            describe(e.clustering), s, 2 * k,
+        )  # fmt: skip
+    else:
+        progress.info("clustering: %s", describe(e.clustering))
     return ""
 
 

@@ -176,6 +176,7 @@ class Aggregates:
             epochs=device.personal_epochs,
             seed=int(cfg.get("seed", task.round_id)),
             round_id=task.round_id,
+            previous=device.personal.weights if device.personal and device.personal.uses_personal else None,
         )
         device.personal = chosen
         return dict(chosen.metrics)

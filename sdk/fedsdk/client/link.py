@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fedsdk import __version__
-from fedsdk.client.state import DeviceState, dims
+from fedsdk.client.state import DeviceState, dims, follow_model
 from fedsdk.errors import FedError, TrainingError, TransportClosed, TransportError, ValidationError
 from fedsdk.model.data import fit_to_model
 from fedsdk.profile import calibrate_he, device_facts
@@ -178,13 +178,16 @@ class Link:
         return await self.send(kind, encode(msg))
 
     async def follow_cluster(self, cluster_id: int) -> None:
-        """Take the relays of cluster ``cluster_id`` (decryption shares) from now on, and only its."""
+        """Take the relays of cluster ``cluster_id`` (decryption shares) from now on, and only its; on a move
+        to another cluster, the model held moves with it (:func:`~fedsdk.client.state.follow_model`)."""
         topic = T.cluster(self.device.federation, cluster_id)
         if topic != self.cluster_topic:
             if self.cluster_topic is not None:
                 await self.transport.unsubscribe(self.cluster_topic)
             await self.transport.subscribe(topic)
             self.cluster_topic = topic
+            if follow_model(self.device, cluster_id):
+                log.info("cluster %d: back on its model of round %d", cluster_id, self.device.model_round)
             self.device.summary.cluster_id = cluster_id
 
     # -- the session --------------------------------------------------------------------------

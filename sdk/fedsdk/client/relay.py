@@ -110,10 +110,10 @@ class ModelRelay:
         if sealer is None or saved is None or not names or saved.model_round < req.round_id:
             log.warning(
                 "asked for the model of round %d for %s: this device holds round %d's, not sent",
-                req.round_id, req.for_client, device.model_round,
+                req.round_id, req.for_client, -1 if saved is None else saved.model_round,
             )  # fmt: skip
             return
-        if cluster is not None and cluster != req.cluster_id:
+        if cluster is not None and cluster != req.cluster_id and req.cluster_id not in device.parked:
             log.warning(
                 "asked for cluster %d's model: this device holds cluster %d's", req.cluster_id, cluster
             )

@@ -91,17 +91,21 @@ def save_model(state_dir: str | os.PathLike[str], saved: SavedModel) -> Path:
 
 def held_model(device: DeviceState, names: tuple[str, ...], cluster_id: int) -> SavedModel | None:
     """The model ``device`` holds (of cluster ``cluster_id``, parameters ``names``), as it is kept and
-    relayed; None when it holds none."""
-    if device.weights is None:
+    relayed: the one it trains, or the one it keeps aside for ``cluster_id`` when it trains another
+    cluster's (:func:`~fedsdk.client.state.follow_model`); None when it holds none."""
+    model_round, weights = device.model_round, device.weights
+    if cluster_id != device.summary.cluster_id and cluster_id in device.parked:
+        model_round, weights = device.parked[cluster_id]
+    if weights is None:
         return None
     return SavedModel(
         federation=device.federation,
         client_id=device.client_id,
         cluster_id=cluster_id,
-        model_round=device.model_round,
+        model_round=model_round,
         model_id=device.model_id or "",
         param_names=names,
-        weights=device.weights,
+        weights=weights,
         run=device.model_run,
     )
 

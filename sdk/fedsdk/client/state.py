@@ -21,7 +21,16 @@ from fedsdk.personal import PersonalModel
 from fedsdk.protocol import Task
 from fedsdk.protocol.validate import RejectCounter
 
-__all__ = ["ClientSummary", "DeviceState", "Pending", "RoundRecord", "dims", "model_input", "run_of"]
+__all__ = [
+    "ClientSummary",
+    "DeviceState",
+    "Pending",
+    "RoundRecord",
+    "dims",
+    "follow_model",
+    "model_input",
+    "run_of",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,8 @@ class DeviceState:
     last_round_at: float | None = None  # when the federation's last round was applied (monotonic)
     personal_epochs: int = 0  # fine-tune epochs after each applied round (0: personalisation off)
     personal: PersonalModel | None = None  # the model the device uses, from its last personalisation
+    # the model of the cluster it trained before its last move, by cluster: (round, weights) (follow_model)
+    parked: dict[int, tuple[int, list[np.ndarray]]] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -103,6 +114,29 @@ class DeviceState:
             return int(self.trainer.num_samples)
         assert self.data is not None
         return len(self.data[1])
+
+
+def follow_model(device: DeviceState, cluster_id: int) -> bool:
+    """The device's tasks move from the cluster whose model it holds (``summary.cluster_id``) to
+    ``cluster_id``: keep the model held aside, and take back the one kept for ``cluster_id`` if there is
+    one. A new cluster (a split: engine/trial.py, clustering.refine) starts from the model held; a proposed
+    cluster's trial alternates with the shared model, and a proposed cluster that is not kept sends its
+    devices back to the shared model, which the coordinator, under HE, cannot give them. One model is kept
+    aside (the last left), in memory only: a device that comes back to an older cluster (new clusters get
+    higher ids) without it holds no model from then on and gets it relayed. True when a kept model was
+    taken back."""
+    held = device.summary.cluster_id
+    if held is None or held == cluster_id or device.weights is None:
+        return False
+    back = device.parked.pop(cluster_id, None)
+    device.parked = {held: (device.model_round, [w.copy() for w in device.weights])}
+    if back is not None:
+        device.model_round, device.weights = back
+        return True
+    if cluster_id < held:  # back to an older cluster (new ones get higher ids) whose model it lost (a
+        # restart): it holds none, says so, and gets it from a device that does (fedsdk.client.relay)
+        device.weights, device.model_round = None, -1
+    return False
 
 
 def dims(text: object) -> tuple[int, ...]:
