@@ -54,7 +54,7 @@ from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, withou
 from fedsdk_coordinator.engine.sketching import run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
 from fedsdk_coordinator.engine.tasks import make_status, make_task
-from fedsdk_coordinator.engine.trial import before_round
+from fedsdk_coordinator.engine.trial import before_round, settle_rounds
 from fedsdk_coordinator.failpoints import reached
 from fedsdk_coordinator.resume import check_identity, load_resume
 from fedsdk_coordinator.store import Store
@@ -262,7 +262,7 @@ class RoundEngine(FederationState):
                 self.outbox.post(T.status(self.config.federation), self.status_message(), retain=True)
 
     async def _run(self) -> None:
-        c = self.config
+        c = settle_rounds(self)  # a trial of proposed clusters adds its rounds (engine/trial.py)
         if self.completed_round >= c.rounds:  # a restart after the last round: nothing is left to run
             return await self._end("finished", f"the federation had finished: {c.rounds} rounds stored")
         await self._set_state("online")
@@ -275,7 +275,7 @@ class RoundEngine(FederationState):
             why = await run_sketch_round(self)
             if why and not await self._wait_to_retry(0, why):
                 return await self._end("failed", why)
-        while self.completed_round < c.rounds:
+        while self.completed_round < self.config.rounds:
             round_id = self.completed_round + 1
             rounds = [r for r in self.resumed if r.round_id == round_id]
             self.resumed.clear()

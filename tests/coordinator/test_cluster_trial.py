@@ -15,20 +15,21 @@ from fedsdk_coordinator.engine.trial import SHARED, _regrouped, schedule, t_quan
 
 
 def test_schedule_defaults_and_short_federations() -> None:
-    assert schedule(15) == (2, 3)  # the clustering benchmark's 15 rounds: trial in rounds 3-8
+    assert schedule(15) == (2, 3)  # the clustering benchmark's 15 rounds: the trial in rounds 3-8 of 18
     assert schedule(10) == (2, 2)
     assert schedule(8) == (1, 2)
     assert schedule(6) == (1, 2)
-    assert schedule(5) is None and schedule(3) is None  # too short: the sketches decide alone
+    assert schedule(5) is None and schedule(3) is None  # short: the sketches decide alone
+    assert schedule(5, split_after=1, trial_rounds=2) == (1, 2)  # unless asked for
     assert schedule(30, split_after=0) is None
     assert schedule(20, split_after=5, trial_rounds=4) == (5, 4)
     with pytest.raises(ConfigError, match="no room for a trial"):
-        schedule(8, split_after=3, trial_rounds=3)
+        schedule(6, split_after=3, trial_rounds=3)
     with pytest.raises(ConfigError, match="no room"):
-        check_config(RoundConfig(rounds=4, split_after=2))
+        check_config(RoundConfig(rounds=2, split_after=2))
     with pytest.raises(ConfigError, match="trial_rounds >= 1"):
         check_config(RoundConfig(rounds=10, trial_rounds=0))
-    check_config(RoundConfig(rounds=4, split_after=0))  # the sketches alone: any length
+    check_config(RoundConfig(rounds=2, split_after=0))  # the sketches alone: any length
 
 
 def test_a_cluster_that_wins_on_every_device_is_kept_and_one_that_ties_is_not() -> None:

@@ -18,6 +18,12 @@ sketch round's clustering is a **proposal**, and a trial decides it:
    devices stay on the shared model, which every cluster that was not kept trains together from then on.
    Undecided means shared: a split must earn its place.
 
+The proposed clusters' K turns come **on top of the rounds asked for**: a federation of R rounds with a
+trial runs R + K, and the shared model trains exactly R of them, as it would without a trial (measured:
+taking the turns out of R left the devices sent back to the shared model 0.5-1.5 points below it, the
+rounds it missed). The trial costs each device K rounds of work, not accuracy; the coordinator's
+``rounds`` (tasks, ``/api/health``, progress lines) says R + K from the sketch round on.
+
 Why: a sketch says which devices differ, not whether a model of their own beats a model of everyone's
 data, which depends on how much data each group has and how far apart the groups are. Under HE the
 coordinator holds no model to evaluate, so the devices' held-out figures (the reports every device sends
@@ -26,16 +32,15 @@ carry. Turns rather than one model after the other: comparing a cluster after th
 model before it rewards the cluster for K more rounds of training (measured: rotation groups the split
 serves were refused, the shared model having gained 12-13 points in the K rounds before the trial).
 Turns rather than both models every round (IFCA, Ghosh et al. 2020, trains and evaluates every cluster's
-model on every device): a device's work and upload per round stay those of one model. The cost: each
-model trains K of the trial's 2K rounds.
+model on every device): a device's work and upload per round stay those of one model.
 
 The schedule (:func:`schedule`): S = 2 (1 under 10 rounds), K = 3 (2 under 12 rounds), with
-``RoundConfig.split_after`` / ``trial_rounds`` to set them; a federation too short for a trial (S + 2K ≥
-rounds: fewer than 6 rounds by default) splits at the sketch round on the sketches alone, as before.
-``split_after=0`` does so whatever the length.
+``RoundConfig.split_after`` / ``trial_rounds`` to set them; a federation of fewer than 6 rounds splits at
+the sketch round on the sketches alone, as before (so does ``split_after=0``, whatever the length).
 
-State (store JSON ``split``): ``stage`` ``shared`` → ``trial`` → ``decided``, S, K, each device's proposed
-cluster and the verdicts; the figures themselves are the stored reports, so a restart decides the same.
+State (store JSON ``split``): ``stage`` ``shared`` → ``trial`` → ``decided``, S, K, the rounds in all, each
+device's proposed cluster and the verdicts; the figures themselves are the stored reports, so a restart
+decides the same.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +56,7 @@ import numpy as np
 from fedsdk.errors import ConfigError
 from fedsdk.personal import LOWER_IS_BETTER
 from fedsdk_coordinator.clustering import Clustering, assign_nearest
+from fedsdk_coordinator.engine.config import RoundConfig
 
 if TYPE_CHECKING:
     from fedsdk_coordinator.rounds import RoundEngine
@@ -60,6 +67,7 @@ __all__ = [
     "late_cluster",
     "propose",
     "schedule",
+    "settle_rounds",
     "split_state",
     "t_quantile",
     "verdict",
@@ -69,6 +77,7 @@ log = logging.getLogger("fedsdk_coordinator.rounds")
 progress = logging.getLogger("fedsdk.progress.rounds")
 
 SHARED = 0  # the shared model's cluster id
+MIN_ROUNDS = 6  # fewer rounds: no trial unless asked for (split_after / trial_rounds)
 KEY = "split"
 METRICS = ("accuracy", "label_accuracy", "mae")  # the task metrics a report names test_<metric>
 
@@ -83,14 +92,14 @@ def schedule(
     auto = split_after is None and trial_rounds is None
     s = (2 if rounds >= 10 else 1) if split_after is None else int(split_after)
     k = (3 if rounds >= 12 else 2) if trial_rounds is None else int(trial_rounds)
-    if s >= 1 and k >= 1 and s + 2 * k < rounds:
+    if s >= 1 and k >= 1 and s + k < rounds and (rounds >= MIN_ROUNDS or not auto):
         return s, k
     if auto:
         return None
     raise ConfigError(
         f"split_after {s} and trial_rounds {k} leave no room for a trial in {rounds} rounds: need "
-        "split_after >= 1, trial_rounds >= 1 and split_after + 2 · trial_rounds < rounds (split_after 0: "
-        "the sketches decide alone)"
+        "split_after >= 1, trial_rounds >= 1 and split_after + trial_rounds < rounds (split_after 0: the "
+        "sketches decide alone)"
     )
 
 
@@ -126,12 +135,20 @@ def verdict(
 
 
 def split_state(e: RoundEngine) -> dict[str, Any] | None:
-    """The trial's state (read from the store once after a restart)."""
+    """The trial's state (read from the store once after a restart, with the rounds it adds)."""
     if e.split is None:
         e.split = e.store.get_json(KEY)
-        if e.split is not None and e.split["phase"] == "shared":  # labels were stored with the proposal
-            e.clusters.update(dict.fromkeys(e.clusters, SHARED))
+        if e.split is not None:
+            e.config = replace(e.config, rounds=int(e.split["rounds"]))
+            if e.split["phase"] == "shared":  # labels were stored with the proposal
+                e.clusters.update(dict.fromkeys(e.clusters, SHARED))
     return e.split
+
+
+def settle_rounds(e: RoundEngine) -> RoundConfig:
+    """The engine's settings with the rounds a trial adds, when the store holds one."""
+    split_state(e)
+    return e.config
 
 
 def _save(e: RoundEngine, st: dict[str, Any]) -> None:
@@ -155,8 +172,10 @@ def propose(e: RoundEngine, clustering: Clustering) -> Clustering:
         clustering.fallback,
         clustering.steps,
     )
+    total = e.config.rounds + plan[1]  # the proposed clusters' turns come on top of the rounds asked for
     st = {"stage": "shared", "split_after": plan[0], "trial_rounds": plan[1], "phase": "shared"}
-    _save(e, {**st, "children": dict(proposal.labels), "verdicts": {}})
+    _save(e, {**st, "rounds": total, "children": dict(proposal.labels), "verdicts": {}})
+    e.config = replace(e.config, rounds=total)
     return proposal
 
 

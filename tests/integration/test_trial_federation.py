@@ -58,6 +58,7 @@ async def test_the_trial_takes_turns_and_decides_from_the_devices_reports(
         st = engine.split
         assert st is not None and st["stage"] == "decided"
         assert (st["split_after"], st["trial_rounds"]) == (1, 2)
+        assert engine.config.rounds == st["rounds"] == 10  # the clusters' two turns come on top of 8
         proposed = {str(k): int(v) for k, v in st["children"].items()}
         assert sorted(set(proposed.values())) == [1, 2]
         assert len({proposed[f"d{i}"] for i in range(3)} | {proposed[f"d{i}"] for i in range(3, 6)}) == 2
@@ -81,6 +82,6 @@ async def test_the_trial_takes_turns_and_decides_from_the_devices_reports(
             by_cluster.setdefault(engine.clusters[c.client_id], []).append(c.weights)
         for held in by_cluster.values():
             assert all(np.array_equal(a, b) for w in held[1:] for a, b in zip(held[0], w, strict=True))
-        assert all(s.applied_rounds[-1] == 8 for s in summaries)
+        assert all(s.applied_rounds[-1] == 10 for s in summaries)
         for c in clients:
             await c.__aexit__(None, None, None)
