@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fedsdk.errors import ConfigError
 from fedsdk_coordinator.clustering import Clustering
 from fedsdk_coordinator.engine.config import RoundConfig, check_config
-from fedsdk_coordinator.engine.trial import SHARED, _regrouped, schedule, t_quantile, verdict
+from fedsdk_coordinator.engine.trial import SHARED, _regrouped, kept, schedule, t_quantile, verdict
 
 
 def test_schedule_defaults_and_short_federations() -> None:
@@ -38,7 +38,9 @@ def test_a_cluster_that_wins_on_every_device_is_kept_and_one_that_ties_is_not() 
     assert win["kept"] and win["devices"] == 4 and win["gain"] == pytest.approx(0.06)
     assert win["needed"] == pytest.approx(2.353, abs=1e-3)  # t(0.95, 3)
     tie = verdict([0.82, 0.83, 0.91, 0.81], shared)  # +0.02, −0.02, +0.01, −0.01
-    assert not tie["kept"]
+    assert not tie["kept"] and not tie["loses"]
+    lose = verdict([0.75, 0.80, 0.84, 0.78], shared)
+    assert not lose["kept"] and lose["loses"]
     assert not verdict([0.9], [0.8])["kept"]  # one device: no test
     same = verdict([0.9, 0.9, 0.9], [0.8, 0.8, 0.8])  # the same gain everywhere: t undefined, kept
     assert same["kept"] and same["t"] is None
@@ -84,3 +86,18 @@ def test_clusters_not_kept_fold_into_the_shared_model() -> None:
     assert _regrouped(c, kept=[1, 2, 3]) is c
     none = _regrouped(c, kept=[])
     assert none.n_clusters == 1 and none.silhouette is None and set(none.labels.values()) == {SHARED}
+
+
+def _v(wins: bool = False, loses: bool = False) -> dict[str, bool]:
+    return {"kept": wins, "loses": loses}
+
+
+def test_which_clusters_are_kept() -> None:
+    # the winners; the undecided share the shared model
+    assert kept({1: _v(True), 2: _v(), 3: _v(), 4: _v(True)}) == [1, 4]
+    # one cluster that loses keeps every device on the shared model
+    assert kept({1: _v(True), 2: _v(loses=True)}) == []
+    assert kept({1: _v(True), 2: _v(True), 3: _v(loses=True), 4: _v()}) == []
+    # a single cluster left over would have the shared model to itself: kept with the winners
+    assert kept({1: _v(True), 2: _v(True), 3: _v()}) == [1, 2, 3]
+    assert kept({1: _v(), 2: _v()}) == [] and kept({1: _v(True), 2: _v(True)}) == [1, 2]

@@ -247,3 +247,21 @@ def test_a_previous_personal_model_the_cluster_caught_up_with_is_dropped(digits:
         epochs=0, previous=digits["weak"], **FT,
     )  # fmt: skip
     assert not p.uses_personal and p.weights[0] is cluster[0] and p.metrics["personal_base"] == 0.0
+
+
+@given(st.integers(5, 2000), st.integers(1, 12))
+def test_the_critical_value_is_students_t_divided_among_the_candidates(n: int, k: int) -> None:
+    from scipy.stats import t
+
+    from fedsdk.personal import T_CRITICAL, t_critical
+
+    exact = max(T_CRITICAL, float(t.ppf(1 - 0.05 / k, n - 1)))
+    assert t_critical(n, k) == pytest.approx(exact, rel=0.01)
+    assert t_critical(n, k + 1) > t_critical(n, k) and t_critical(n + 1, k) <= t_critical(n, k)
+
+
+def test_no_candidate_wins_over_fewer_than_four_held_out_samples() -> None:
+    from fedsdk.personal import t_critical
+
+    assert t_critical(3, 1) == float("inf")
+    assert choose([0.5, 1.0], "accuracy", [0.0, 50.0], critical=t_critical(3)) == 0
