@@ -1,23 +1,26 @@
-"""Personalisation on the device: the cluster model, fine-tuned on the device's own training data, kept when
-it does better on the device's held-out data.
+"""Personalisation on the device: the cluster model fine-tuned on the device's own training data, or the
+device's own model, used in place of the cluster model when it does better on the device's held-out data.
 
-After applying a round's aggregate a device may fine-tune for up to ``E`` epochs of minibatch SGD on its
-local training data (one run, momentum carried across epochs as :class:`~fedsdk.model.OnnxTrainer` does
-within a fit), evaluating on its held-out data after each epoch. The candidates are the cluster model (0
-epochs), the device's previous personal model (when it used one after the last round) and the fine-tuned
-model after each epoch 1..E: cheap checkpoints of one run, of which only the best so far is kept in
-memory. The run starts from the **better base**: the previous personal model when it passes the test below
-against the cluster model, else the cluster model. A device whose data is unlike its cluster's (a late
-joiner from a group no cluster holds) thus goes on training its personal model round after round, as far
-as training alone would take it; one whose cluster model has caught up goes back to it. :func:`personalise`
-returns a :class:`PersonalModel`: the model the device uses, and the scalars it reports.
+After applying a round's aggregate a device with held-out data weighs three models:
 
-**The choice rule** (:func:`choose`): the candidate with the best held-out task metric (``accuracy`` and
-``label_accuracy`` higher, ``mae`` lower) wins, among the cluster model and the candidates whose per-sample
-held-out loss is lower than the cluster model's by a paired one-sided t-test (:func:`paired_t` ≥
-:func:`t_critical`: Student's t at 5 % divided among the candidates, with n − 1 degrees of freedom for n
-held-out samples); at an equal metric the lower held-out loss wins (a candidate that passed the test has
-it), then the cluster model, then fewer epochs.
+* the **cluster model** it now holds;
+* the cluster model **fine-tuned** for ``E`` epochs of minibatch SGD on its training data (one run,
+  momentum carried across epochs as :class:`~fedsdk.model.OnnxTrainer` does within a fit);
+* its **own model**: a model it keeps training, ``E`` epochs a round, from round to round whichever model
+  it uses (it starts as the first fine-tuned model). It goes as far as training alone would: what a device
+  whose data is unlike every cluster's needs (a late device from a group no cluster holds, a device of a
+  group too small to be a cluster under secure aggregation), and what a fine-tune of five epochs from the
+  cluster model, restarted every round, never reaches.
+
+:func:`personalise` returns a :class:`PersonalModel`: the model the device uses, its own model for the next
+round, and the scalars it reports.
+
+**The choice rule** (:func:`choose`): the fine-tuned and the own model compete only when their per-sample
+held-out loss is lower than the cluster model's by a paired one-sided t-test at 5 % (:func:`paired_t` ≥
+:func:`t_critical`: Student's t with n − 1 degrees of freedom for n held-out samples; no candidate below
+4 samples). Among the cluster model and those that pass, the best held-out task metric wins
+(``accuracy`` and ``label_accuracy`` higher, ``mae`` lower); at an equal metric the lower held-out loss
+wins, then the cluster model, then the fine-tuned model.
 
 Why:
 
@@ -29,7 +32,7 @@ Why:
   federating.
 * *Ties go to the cluster model*: it was fitted on the whole cluster's data, so at equal held-out score it is
   the better bet on samples the held-out set does not cover; and keeping it means no personal state at all.
-  *Then fewer epochs*: less drift from the cluster model for the same held-out score.
+  *Then the fine-tuned model*: less drift from the cluster model for the same held-out score.
 * *The metric decides, a paired test on the loss admits*: the metric is what the device's user sees; but a
   metric counted over a few hundred held-out samples moves by single samples, and on IID devices a
   fine-tuned model often wins by one or two held-out samples by chance (it has begun to overfit the device's
@@ -40,21 +43,24 @@ Why:
   through. The per-sample loss gain is paired (same samples, two models), so its t statistic measures
   whether the gain is more than chance; where fine-tuning truly helps (Dirichlet α = 0.1: two or three
   classes per device) the gain is large on most samples and passes easily.
-* *Student's t, divided among the candidates*: the normal 1.645 for one candidate was what devices with
-  15-30 held-out samples and six candidates (E = 5 and the previous personal model) passed by chance:
+* *One pre-set model of each kind, Student's t*: choosing the best of E+1 checkpoints on the held-out set
+  and testing the winner against the normal 1.645 let devices with 15-30 held-out samples pick by chance:
   Dirichlet α = 0.1 and 0.3 devices used personal models 1.1-3.9 points below the shared model on their
-  unseen samples (``fedsdk bench clustering``, 2026-11-29). Dividing 5 % among k candidates (Bonferroni)
-  and using n − 1 degrees of freedom asks such a device for t ≈ 2.6-2.8.
+  unseen samples; dividing the 5 % among six candidates (Bonferroni) then refused models that a device of
+  10-25 held-out samples needed (a late device 10-23 points below training alone) (``fedsdk bench
+  clustering``, 2026-11-29). Two candidates fixed in advance, each tested at 5 % with the right degrees of
+  freedom, need no such division.
 
 Selection on the held-out set makes the reported ``personal_test_<metric>`` an optimistic estimate: it is the
-best of up to E+1 scores on the same samples (for accuracy over n samples, the winner's curse is at most a
-few 1/n steps at E=5). The cluster model's ``test_<metric>`` is unbiased, since nothing was chosen on it.
+best of up to three scores on the same samples. The cluster model's ``test_<metric>`` is unbiased, since
+nothing was chosen on it.
 
-A non-finite training loss (a learning rate too high for fine-tuning) stops the fine-tuning at that epoch;
-the candidates already scored still compete, and the cluster model always does.
+A non-finite training loss (a learning rate too high for fine-tuning) drops that candidate; the cluster
+model always competes.
 
 Nothing here leaves the device but the scalars of :attr:`PersonalModel.metrics`; the personal weights are
-never published. The next round trains from the cluster model (under HE the aggregate's deltas apply to it).
+never published, the own model's neither. The next round trains from the cluster model (under HE the
+aggregate's deltas apply to it).
 """
 
 from __future__ import annotations
@@ -98,6 +104,8 @@ class PersonalModel:
     uses_personal: bool  # True when the fine-tuned model won on held-out data
     epochs: int  # fine-tune epochs of the chosen model (0: the cluster model was kept)
     metrics: dict[str, float]  # what was reported (personal_metrics)
+    # the device's own model, trained on from round to round whichever model it uses (None: none yet)
+    own: list[np.ndarray] | None = None
 
 
 #: One-sided 5 % critical value of the paired test (normal, many samples, one candidate): the least any
@@ -144,7 +152,7 @@ def choose(
     """The index of the chosen candidate among held-out ``scores`` of ``metric``: ``scores[0]`` is the
     cluster model's, ``scores[k]`` the model's after ``k`` fine-tune epochs. The best score wins (lower for
     :data:`LOWER_IS_BETTER` metrics, else higher); at equal scores the lower held-out loss wins when
-    ``losses`` are given; remaining ties go to the lowest index, i.e. the cluster model, then fewer epochs.
+    ``losses`` are given; remaining ties go to the lowest index, i.e. the cluster model first.
     With ``evidence`` (each candidate's :func:`paired_t` against the cluster model; index 0 unused), a
     fine-tuned candidate can win only when its statistic reaches ``critical`` (:data:`T_CRITICAL`;
     :func:`personalise` passes :func:`t_critical`). A non-finite score
@@ -184,6 +192,36 @@ def personal_metrics(
     }
 
 
+def _fine_tune(
+    model: OnnxModel,
+    start: Sequence[np.ndarray],
+    train: tuple[np.ndarray, np.ndarray],
+    epochs: int,
+    opt: SGD,
+    rng: np.random.Generator,
+    batch_size: int,
+    round_id: int,
+) -> list[np.ndarray] | None:
+    """``epochs`` epochs of minibatch SGD from a copy of ``start``; None when the weights stop being finite
+    (a learning rate too high for fine-tuning)."""
+    x, y = train
+    params = [p.copy() for p in model.check_params(start)]  # never alias the caller's model
+    n = len(x)
+    try:
+        for _ in range(epochs):
+            order = rng.permutation(n)
+            for lo in range(0, n, batch_size):
+                idx = order[lo : lo + batch_size]
+                _, grads = model.raw_train_step(params, x[idx], y[idx], rng=rng)
+                opt.step(params, grads)
+            if not all(np.isfinite(p).all() for p in params):
+                raise TrainingError("fine-tuning produced non-finite weights")
+    except TrainingError as exc:
+        log.warning("round %d: fine-tuning dropped: %s", round_id, exc)
+        return None
+    return params
+
+
 def personalise(
     model: OnnxModel,
     weights: Sequence[np.ndarray],
@@ -199,13 +237,10 @@ def personalise(
     weight_decay: float = 0.0,
     previous: Sequence[np.ndarray] | None = None,
 ) -> PersonalModel:
-    """Fine-tune the better base for up to ``epochs`` epochs and choose, by the held-out metric
-    (:func:`choose`), among the cluster model ``weights``, the device's ``previous`` personal model (the
-    one it used after the last round, when that was a personal one) and the fine-tuned model after each
-    epoch. The base is the cluster model unless ``previous`` passes :func:`choose`'s test against it: a
-    personal model that keeps winning goes on training from itself round after round (a device whose data
-    is unlike its cluster's gets as far as training alone would), and one the cluster model has caught up
-    with is dropped for it.
+    """Choose the model the device uses among the cluster model ``weights``, the cluster model fine-tuned
+    for ``epochs`` epochs, and the device's own model ``previous`` trained ``epochs`` epochs more (its
+    :attr:`PersonalModel.own` of the last round; the first round starts it from the fine-tuned model), by
+    :func:`choose` with :func:`t_critical` (module docstring).
 
     Pure: ``weights`` are never modified. When the cluster model is chosen, :attr:`PersonalModel.weights`
     holds the very arrays given (no copy). ``seed`` fixes the shuffling (and dropout masks).
@@ -216,54 +251,39 @@ def personalise(
     metric = model.metric_name
     cluster = list(weights)
     hx, hy = held_out
-    per0, met0 = model.per_sample(cluster, hx, hy)
-    losses, scores, evidence = [float(per0.mean())], [float(met0.mean())], [0.0]
-    critical = t_critical(len(hy), epochs + (previous is not None))
-    models: list[list[np.ndarray]] = [cluster]
-    base = cluster
+    x, y_checked = model.check_batch(*train)
+    assert y_checked is not None
+    rng = np.random.default_rng(seed)
+    tuned = _fine_tune(model, cluster, (x, y_checked), epochs, SGD(lr, momentum, weight_decay), rng,
+                       batch_size, round_id) if epochs else None  # fmt: skip
+    own: list[np.ndarray] | None = None
     if previous is not None and [p.shape for p in previous] == [p.shape for p in cluster]:
-        per, met = model.per_sample(list(previous), hx, hy)
+        own = _fine_tune(model, previous, (x, y_checked), epochs, SGD(lr, momentum, weight_decay), rng,
+                         batch_size, round_id) if epochs else [p.copy() for p in previous]  # fmt: skip
+    elif tuned is not None:
+        own = [p.copy() for p in tuned]  # the device's own model starts from the fine-tuned one
+    per0, met0 = model.per_sample(cluster, hx, hy)
+    models, losses, scores, evidence = [cluster], [float(per0.mean())], [float(met0.mean())], [0.0]
+    for cand in (tuned, own if previous is not None else None):
+        if cand is None:
+            continue
+        per, met = model.per_sample(cand, hx, hy)
+        models.append(cand)
         losses.append(float(per.mean()))
         scores.append(float(met.mean()))
         evidence.append(paired_t(per0, per))
-        models.append(list(previous))
-        if choose(scores, metric, evidence, losses, critical) == 1:
-            base = list(previous)
-    first = len(models)  # index of the model after fine-tune epoch 1
-    best_k = choose(scores, metric, evidence, losses, critical)
-    best = models[best_k]
-    if epochs:
-        x, y_checked = model.check_batch(*train)
-        assert y_checked is not None
-        y = y_checked
-        params = [p.copy() for p in model.check_params(base)]  # never alias the cluster model
-        opt = SGD(lr, momentum, weight_decay)
-        rng = np.random.default_rng(seed)
-        n = len(x)
-        for k in range(1, epochs + 1):
-            try:
-                order = rng.permutation(n)
-                for lo in range(0, n, batch_size):
-                    idx = order[lo : lo + batch_size]
-                    _, grads = model.raw_train_step(params, x[idx], y[idx], rng=rng)
-                    opt.step(params, grads)
-                if not all(np.isfinite(p).all() for p in params):
-                    raise TrainingError("fine-tuning produced non-finite weights")
-            except TrainingError as exc:
-                log.warning("round %d: fine-tuning stopped at epoch %d: %s", round_id, k, exc)
-                break
-            per, met = model.per_sample(params, hx, hy)
-            losses.append(float(per.mean()))
-            scores.append(float(met.mean()))
-            evidence.append(paired_t(per0, per))
-            if choose(scores, metric, evidence, losses, critical) == len(scores) - 1:  # a new best: keep it
-                best_k, best = len(scores) - 1, [p.copy() for p in params]
-    chosen = choose(scores, metric, evidence, losses, critical)
-    assert chosen == best_k
+    chosen = choose(scores, metric, evidence, losses, t_critical(len(hy)))
     seconds = time.perf_counter() - start
-    ft = max(0, chosen - first + 1)  # fine-tune epochs of the chosen model (0: the cluster or previous one)
+    ft = epochs if chosen else 0
     metrics = personal_metrics(metric, losses[chosen], scores[chosen], ft, chosen > 0, seconds)
-    metrics["personal_base"] = 1.0 if base is not cluster else 0.0  # fine-tuned from its previous model
+    metrics["personal_own"] = (
+        1.0 if chosen and models[chosen] is own else 0.0
+    )  # its own model, not a fine-tune
     return PersonalModel(
-        round_id=round_id, weights=best, uses_personal=chosen > 0, epochs=ft, metrics=metrics
+        round_id=round_id,
+        weights=models[chosen],
+        uses_personal=chosen > 0,
+        epochs=ft,
+        metrics=metrics,
+        own=own,
     )

@@ -175,15 +175,20 @@ async def test_personal_models_are_reported_never_published_and_never_trained_fr
         else:
             assert client.export_onnx(personal=True) == client.export_onnx()
 
-    # no personal weight left any device: neither the first layer's bytes nor any of its rows, anywhere
+    # no personal weight left any device (the model it used, its own model): neither the first layer's bytes
+    # nor any of its rows, anywhere
     personal = [p for spy in spies for p in spy.personal.values() if p.uses_personal]
     assert personal, "no device chose a personal model: the check below would prove nothing"
     assert len(wire.raw) >= len(wire.payloads) > 30
-    for p in personal:
-        first = np.ascontiguousarray(p.weights[0], dtype=np.float32)
-        # rows fine-tuning left as they were (pixels that are always blank) are the cluster model's: public
-        cluster = np.asarray(aggregates[p.round_id].weights[0], dtype=np.float32)
-        moved = [row.tobytes() for row, c in zip(first, cluster, strict=True) if not np.array_equal(row, c)]
+    # rows training left as they were (pixels that are always blank) are a published model's: public (a
+    # device's own model keeps those of the round it started from)
+    layers = [np.asarray(a.weights[0], dtype=np.float32) for a in aggregates.values()]
+    public = {row.tobytes() for layer in layers for row in layer}
+    kept = [p.weights[0] for p in personal]
+    kept += [p.own[0] for spy in spies for p in spy.personal.values() if p.own is not None]
+    for layer in kept:
+        first = np.ascontiguousarray(layer, dtype=np.float32)
+        moved = [row.tobytes() for row in first if row.tobytes() not in public]
         assert len(moved) > len(first) // 2
         needles = [first.tobytes(), first.astype(np.float64).tobytes(), *moved]
         for payload in (*wire.raw, *wire.payloads):

@@ -7,10 +7,11 @@ device evaluates the model on its evaluation data (when it has any) and publishe
 :class:`~fedsdk.protocol.Report`, with the round's upload time.
 
 Personalisation (``FedClient(personal_epochs=E)``, :mod:`fedsdk.personal`): after applying the aggregate and
-evaluating it, a device with held-out data fine-tunes the cluster model on its training data for up to ``E``
-epochs with the task's ``lr``, ``momentum`` and ``batch_size``, keeps the better of the two on its held-out
-data as the model it uses (``FedClient.personal``), and adds the scalars ``personal_test_loss``,
-``personal_test_<metric>``, ``personal_epochs``, ``uses_personal`` and ``personal_s`` to its report. The
+evaluating it, a device with held-out data fine-tunes the cluster model on its training data for ``E``
+epochs with the task's ``lr``, ``momentum`` and ``batch_size``, trains its own model ``E`` epochs more, uses
+the best of the three on its held-out data that passes the test against the cluster model
+(``FedClient.personal``), and adds the scalars ``personal_test_loss``, ``personal_test_<metric>``,
+``personal_epochs``, ``uses_personal``, ``personal_own`` and ``personal_s`` to its report. The
 device keeps holding the cluster model too: the next round trains from it, and under HE the next aggregate's
 deltas apply to it.
 
@@ -176,7 +177,7 @@ class Aggregates:
             epochs=device.personal_epochs,
             seed=int(cfg.get("seed", task.round_id)),
             round_id=task.round_id,
-            previous=device.personal.weights if device.personal and device.personal.uses_personal else None,
+            previous=device.personal.own if device.personal is not None else None,
         )
         device.personal = chosen
         return dict(chosen.metrics)
