@@ -35,7 +35,8 @@ __all__ = ["DEFAULTS", "main", "personal_supported"]
 
 # rounds and local epochs: (a) has converged on iid by then (docs/results/clustering.md)
 DEFAULTS = {"rounds": 15, "epochs": 10}
-QUICK = {"scenarios": "rot4-8", "rounds": 2, "epochs": 5, "key_bits": 1024}
+# the smoke run: a late joiner, and 6 rounds, the fewest with a trial of the proposed clusters (8 in all)
+QUICK = {"scenarios": "late", "rounds": 6, "epochs": 5, "key_bits": 1024}
 
 
 def personal_supported() -> bool:
@@ -54,7 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default=None, help=f"comma list of {', '.join(SCENARIOS)} (default: all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument(
-        "--rounds", type=int, default=None, help=f"rounds after the sketch round ({DEFAULTS['rounds']})"
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"rounds after the sketch round ({DEFAULTS['rounds']}; a trial of proposed clusters adds "
+        "its turns)",
     )
     p.add_argument("--epochs", type=int, default=None, help=f"local epochs per round ({DEFAULTS['epochs']})")
     p.add_argument("--key-bits", type=int, default=None, help="Paillier modulus of `clustered` (2048)")

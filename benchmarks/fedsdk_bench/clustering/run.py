@@ -2,8 +2,10 @@
 
 * ``global`` (a): one FedAvg model, strategy ``plaintext``, clustering off; each device's held model on E.
 * ``clustered`` (b, c): strategy ``fedsdk`` (clustering on, its default), HE keys of ``key_bits``, devices
-  with ``personal_epochs`` (passed to FedClient only when > 0). Per device on E: (b) the cluster model it
-  holds, (c) the model it uses (its personal model when it keeps one, else (b)).
+  with ``personal_epochs`` (passed to FedClient only when > 0). Per device on E: (b) the model it holds at
+  the end (its cluster's, or the shared model's where the trial did not keep its proposed cluster:
+  engine/trial.py), (c) the model it uses (its personal model when it keeps one, else (b)). The proposed
+  clusters, their ARI and the trial's verdicts come from ``/api/clusters``.
 * ``local`` (d): :mod:`fedsdk_bench.clustering.local`.
 
 The federations are the fleet benchmark's (:func:`fedsdk_bench.fleet.runner.run_arm`): real mosquitto, the
@@ -59,12 +61,17 @@ def _federation(
     assigned = {str(k): int(v) for k, v in co.get("clusters", {}).items()}
     api = co.get("api_clusters") or {}
     scores = {d["client_id"]: d.get("score") or {} for d in result["devices"]}
+    decision = api.get("decision", api)
+    split = decision.get("split") if isinstance(decision, dict) else None
     return {
         "state": result["state"],
         "error": result["error"],
         "wall_s": result["wall_s"],
         "clusters": assigned,
-        "decision": api.get("decision", api),  # raw, whatever /api/clusters says
+        "decision": decision,  # raw, whatever /api/clusters says
+        # the proposed clusters and what their trial decided (engine/trial.py); None: no trial
+        "proposed": None if not split else {str(k): int(v) for k, v in split["children"].items()},
+        "verdicts": None if not split else split.get("verdicts"),
         "scores": scores,
         "curve": _mean_curve(result["devices"]),
         "workdir": result["workdir"],
@@ -93,6 +100,7 @@ def run_seed(
             "group": d.group,
             "quarter_turns": d.quarter_turns,
             "samples": len(d.train[1]),
+            "late": d.join_after > 0,
             **dict.fromkeys(("a", "b", "c", "d", "uses_personal", "cluster")),
         }
         for d in devices
@@ -108,7 +116,8 @@ def run_seed(
             out["arms"][arm] = {"state": "finished", "wall_s": time.monotonic() - t0, "devices": local}
             print(f"[{sc.name}] seed {seed} local: {time.monotonic() - t0:.0f} s", flush=True)
             continue
-        acfg = replace(cfg, seed=seed)
+        late = {d.client_id: d.join_after for d in devices if d.join_after > 0}
+        acfg = replace(cfg, seed=seed, join_after=late)
         if arm == "clustered" and personal_epochs > 0:
             acfg = replace(acfg, client_options={"personal_epochs": personal_epochs})
         fed = _federation(sc, devices, arm, acfg, work, files)
@@ -126,6 +135,11 @@ def run_seed(
             truth = None if devices[0].group is None else [int(d.group or 0) for d in devices]
             fed["n_clusters"] = n_clusters
             fed["ari"] = ari(truth, labels)
+            proposed = fed["proposed"] or fed["clusters"]
+            fed["n_proposed"] = len(set(proposed.values())) if proposed else 1
+            fed["ari_proposed"] = ari(truth, [proposed.get(d.client_id, -1) for d in devices])
+            verdicts = fed["verdicts"]
+            fed["kept"] = None if verdicts is None else sum(v["kept"] for v in verdicts.values())
         out["arms"][arm] = fed
         err = f" ({fed['error']})" if fed["error"] else ""
         print(

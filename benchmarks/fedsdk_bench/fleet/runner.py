@@ -56,6 +56,7 @@ class FleetConfig:
     mask_B: float | None = None  # eq. 7's B and C; None: the coordinator's defaults
     mask_C: float | None = None
     client_options: dict[str, Any] = field(default_factory=dict)  # more FedClient keywords, every device
+    join_after: dict[str, int] = field(default_factory=dict)  # device -> the round after which it joins
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def _worker_specs(
                 "pool": pool,
                 "control_he": None if control_he is None else str(control_he),
                 "score": files[dev.client_id].get("score"),  # samples the worker scores the device on
+                "join_after": int(cfg.join_after.get(dev.client_id, 0)),
             }
         )
     return groups
@@ -263,11 +265,12 @@ async def run_arm(
         extra["mask_B"] = cfg.mask_B
     if cfg.mask_C is not None:
         extra["mask_C"] = cfg.mask_C
+    starting = n - sum(1 for d in sc.devices if cfg.join_after.get(d.client_id, 0) > 0)
     rounds = co.RoundConfig(
         federation=FEDERATION,
         rounds=cfg.rounds,
-        min_clients=n,
-        start_clients=n,
+        min_clients=starting,
+        start_clients=starting,
         deadline_s=cfg.deadline_s,
         join_timeout_s=600.0,
         lr=cfg.lr,

@@ -6,14 +6,16 @@
      "out": "devices-0.json", "client_options": {},
      "devices": [{"profile": {...DeviceProfile...}, "data": "dev-00.npz", "eval": "dev-00-eval.npz",
                   "he_dir": null | "he/device", "pool": 0, "control_he": null | "control/he/device",
-                  "score": null | "dev-00-score.npz"}, ...]}
+                  "score": null | "dev-00-score.npz", "join_after": 0}, ...]}
 
 runs every device until the coordinator finishes (or the timeout), and writes one JSON list with each
 device's :meth:`EmulatedClient.result`. ``client_options`` (optional) are more keyword arguments for every
 device's FedClient. A device with a ``score`` file is scored on those samples after the run, which it never
 saw (:func:`score`): the model it holds and, when it keeps one, its personal model; the result gets them
-under ``score``. The default executor gets a thread per device and then some:
-emulated steps sleep in it, and asyncio's default (cores + 4) would serialise them.
+under ``score``. A device with ``join_after`` r > 0 connects only once another device of the worker has
+applied round r (a late joiner; the runner puts a device that starts at once in every worker). The
+default executor gets a thread per device and then some: emulated steps sleep in it, and asyncio's
+default (cores + 4) would serialise them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -68,11 +71,16 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 **spec.get("client_options", {}),
             )
         )
+    late = [int(d.get("join_after", 0)) for d in spec["devices"]]
+    early = [c for c, r in zip(clients, late) if r <= 0]
+    timeout = float(spec["timeout"])
     async with AsyncExitStack() as stack:
-        for c in clients:
+        for c in early:
             await stack.enter_async_context(c)
         freeze_long_lived()  # as fedsdk join does (heap.py)
-        await asyncio.gather(*(c.run(timeout=float(spec["timeout"])) for c in clients))
+        runs: list[Coroutine[Any, Any, Any]] = [c.run(timeout=timeout) for c in early]
+        runs += [_join_late(c, early, r, timeout) for c, r in zip(clients, late) if r > 0]
+        await asyncio.gather(*runs)
     results = []
     for c, d in zip(clients, spec["devices"]):
         r = c.result()
@@ -80,6 +88,18 @@ async def run_devices(spec: dict[str, Any]) -> list[dict[str, Any]]:
             r["score"] = score(c, *load_npz(d["score"]))
         results.append(r)
     return results
+
+
+async def _join_late(client: FedClient, others: list[EmulatedClient], after: int, timeout: float) -> None:
+    """Connect and run ``client`` once one of ``others`` has applied round ``after``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not any(after in o.summary.applied_rounds for o in others):
+        if loop.time() > end or (others and all(o.summary.state != "running" for o in others)):
+            return
+        await asyncio.sleep(0.1)
+    async with client:
+        await client.run(timeout=max(1.0, end - loop.time()))
 
 
 def score(client: FedClient, x: Any, y: Any) -> dict[str, Any]:
