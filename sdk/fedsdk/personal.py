@@ -7,7 +7,8 @@ After applying a round's aggregate a device with held-out data weighs three mode
 * the cluster model **fine-tuned** for ``E`` epochs of minibatch SGD on its training data (one run,
   momentum carried across epochs as :class:`~fedsdk.model.OnnxTrainer` does within a fit);
 * its **own model**: a model it keeps training, ``E`` epochs a round, from round to round whichever model
-  it uses (it starts as the first fine-tuned model). It goes as far as training alone would: what a device
+  it uses, from the federation's initial model (the one a sketch task or round 1 brings; the first
+  fine-tuned model when the device never saw it). It is training alone, spread over the rounds: what a device
   whose data is unlike every cluster's needs (a late device from a group no cluster holds, a device of a
   group too small to be a cluster under secure aggregation), and what a fine-tune of five epochs from the
   cluster model, restarted every round, never reaches.
@@ -118,8 +119,8 @@ def t_critical(n: int, candidates: int = 1, alpha: float = 0.05) -> float:
     """The one-sided critical value a candidate's :func:`paired_t` must reach over ``n`` held-out samples
     when ``candidates`` compete with the cluster model: Student's t quantile at ``1 − alpha/candidates``
     with ``n − 1`` degrees of freedom (Bonferroni over the candidates), from the normal quantile by the
-    Cornish-Fisher expansion (Abramowitz & Stegun 26.7.5; within 1 % from 5 degrees of freedom, no scipy
-    on the device). +inf below 4 samples: no test at all."""
+    Cornish-Fisher expansion (Abramowitz & Stegun 26.7.5; within 1 % from 5 degrees of freedom and 12
+    candidates, 0.04 % for one; no scipy on the device). +inf below 4 samples: no test at all."""
     if n < 4:
         return math.inf
     z = NormalDist().inv_cdf(1.0 - alpha / max(1, candidates))
@@ -236,11 +237,13 @@ def personalise(
     round_id: int = 0,
     weight_decay: float = 0.0,
     previous: Sequence[np.ndarray] | None = None,
+    initial: Sequence[np.ndarray] | None = None,
 ) -> PersonalModel:
     """Choose the model the device uses among the cluster model ``weights``, the cluster model fine-tuned
     for ``epochs`` epochs, and the device's own model ``previous`` trained ``epochs`` epochs more (its
-    :attr:`PersonalModel.own` of the last round; the first round starts it from the fine-tuned model), by
-    :func:`choose` with :func:`t_critical` (module docstring).
+    :attr:`PersonalModel.own` of the last round; the first round starts it from the federation's
+    ``initial`` model, else from the fine-tuned one), by :func:`choose` with :func:`t_critical` (module
+    docstring).
 
     Pure: ``weights`` are never modified. When the cluster model is chosen, :attr:`PersonalModel.weights`
     holds the very arrays given (no copy). ``seed`` fixes the shuffling (and dropout masks).
@@ -257,14 +260,18 @@ def personalise(
     tuned = _fine_tune(model, cluster, (x, y_checked), epochs, SGD(lr, momentum, weight_decay), rng,
                        batch_size, round_id) if epochs else None  # fmt: skip
     own: list[np.ndarray] | None = None
-    if previous is not None and [p.shape for p in previous] == [p.shape for p in cluster]:
-        own = _fine_tune(model, previous, (x, y_checked), epochs, SGD(lr, momentum, weight_decay), rng,
-                         batch_size, round_id) if epochs else [p.copy() for p in previous]  # fmt: skip
+    shapes = [p.shape for p in cluster]
+    start_own = next(
+        (m for m in (previous, initial) if m is not None and [p.shape for p in m] == shapes), None
+    )
+    if start_own is not None:
+        own = _fine_tune(model, start_own, (x, y_checked), epochs, SGD(lr, momentum, weight_decay), rng,
+                         batch_size, round_id) if epochs else [p.copy() for p in start_own]  # fmt: skip
     elif tuned is not None:
-        own = [p.copy() for p in tuned]  # the device's own model starts from the fine-tuned one
+        own = [p.copy() for p in tuned]  # no start of its own: the device's own model starts fine-tuned
     per0, met0 = model.per_sample(cluster, hx, hy)
     models, losses, scores, evidence = [cluster], [float(per0.mean())], [float(met0.mean())], [0.0]
-    for cand in (tuned, own if previous is not None else None):
+    for cand in (tuned, own if start_own is not None else None):
         if cand is None:
             continue
         per, met = model.per_sample(cand, hx, hy)

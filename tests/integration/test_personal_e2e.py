@@ -131,6 +131,7 @@ async def test_personal_models_are_reported_never_published_and_never_trained_fr
                 summaries = await asyncio.wait_for(asyncio.gather(*(c.run() for c in clients)), 120)
             records = engine.store.rounds()
             latest = engine.store.latest_model(0)
+            initial = np.asarray(engine.initial[0], dtype=np.float32)  # sent in every first task: public
     assert all(s.state == "finished" and s.applied_rounds == [1, 2, 3] for s in summaries), summaries
 
     # every report carries the personal figures; the summary keeps them per round
@@ -181,8 +182,8 @@ async def test_personal_models_are_reported_never_published_and_never_trained_fr
     assert personal, "no device chose a personal model: the check below would prove nothing"
     assert len(wire.raw) >= len(wire.payloads) > 30
     # rows training left as they were (pixels that are always blank) are a published model's: public (a
-    # device's own model keeps those of the round it started from)
-    layers = [np.asarray(a.weights[0], dtype=np.float32) for a in aggregates.values()]
+    # device's own model keeps those of the initial model it started from)
+    layers = [initial, *(np.asarray(a.weights[0], dtype=np.float32) for a in aggregates.values())]
     public = {row.tobytes() for layer in layers for row in layer}
     kept = [p.weights[0] for p in personal]
     kept += [p.own[0] for spy in spies for p in spy.personal.values() if p.own is not None]

@@ -29,7 +29,7 @@ def digits() -> dict[str, Any]:
     w0 = models.init_params(spec, seed=0)
     trained = OnnxTrainer(model, ds.x_train, ds.y_train, lr=0.05, epochs=20, seed=0).fit(w0).weights
     weak = OnnxTrainer(model, ds.x_train, ds.y_train, lr=0.05, epochs=1, seed=0).fit(w0).weights
-    return {"ds": ds, "model": model, "trained": trained, "weak": weak}
+    return {"ds": ds, "model": model, "trained": trained, "weak": weak, "initial": w0}
 
 
 @pytest.mark.parametrize("which", ["weak", "trained"])
@@ -214,27 +214,32 @@ def test_the_paired_test_gates_fine_tuned_candidates_and_breaks_metric_ties_by_l
 
 def test_a_device_unlike_its_cluster_goes_on_with_its_own_model(digits: dict[str, Any]) -> None:
     """A device whose digits are turned 180° under a cluster model of upright digits: five fine-tune epochs
-    from the cluster model each round stay where they are, while its own model, trained on five epochs a
-    round (``previous``: the last round's ``own``), is chosen and ends near training alone for as many
-    epochs."""
-    ds, model, cluster = digits["ds"], digits["model"], digits["trained"]
+    from the cluster model each round stay where they are, while its own model, trained five epochs a round
+    from the federation's initial model (``previous``: the last round's ``own``), is chosen and ends near
+    training alone for as many epochs."""
+    ds, model, cluster, w0 = digits["ds"], digits["model"], digits["trained"], digits["initial"]
     rng = np.random.default_rng(0)
     idx = rng.choice(len(ds.y_train), 150, replace=False)
     turned = np.rot90(ds.x_train[idx].reshape(-1, 8, 8), 2, axes=(1, 2)).reshape(-1, 64)
     train, held = (turned[:120], ds.y_train[idx][:120]), (turned[120:], ds.y_train[idx][120:])
     test_x = np.rot90(ds.x_test.reshape(-1, 8, 8), 2, axes=(1, 2)).reshape(-1, 64)
     p = None
-    for r in range(1, 7):
+    for r in range(1, 9):
         own = p.own if p is not None else None
-        p = personalise(model, cluster, train, held, epochs=5, round_id=r, previous=own, **FT)
-        assert p.own is not None and p.uses_personal
-    assert p is not None and p.metrics["personal_own"] == 1.0 and p.weights is p.own
-    fresh = personalise(model, cluster, train, held, epochs=5, round_id=6, **FT)  # a fine-tune only
+        p = personalise(model, cluster, train, held, epochs=5, round_id=r, previous=own, initial=w0, **FT)
+        assert p.own is not None
+    assert p is not None and p.uses_personal and p.metrics["personal_own"] == 1.0 and p.weights is p.own
+    fresh = personalise(model, cluster, train, held, epochs=5, round_id=8, **FT)  # a fine-tune only
     _, acc_fresh = model.evaluate(fresh.weights, test_x, ds.y_test)
     _, acc_own = model.evaluate(p.weights, test_x, ds.y_test)
-    alone = OnnxTrainer(model, *train, lr=0.05, epochs=30, seed=0).fit(cluster).weights
+    alone = OnnxTrainer(model, *train, lr=0.05, epochs=40, seed=0).fit(w0).weights
     _, acc_alone = model.evaluate(alone, test_x, ds.y_test)
-    assert acc_own > acc_fresh + 0.05 and acc_own >= acc_alone - 0.05, (acc_own, acc_fresh, acc_alone)
+    assert acc_own > acc_fresh + 0.05 and acc_own >= acc_alone - 0.03, (acc_own, acc_fresh, acc_alone)
+    # without the initial model (a device that never saw it) the own model starts from the fine-tuned one
+    first = personalise(model, cluster, train, held, epochs=5, round_id=1, **FT)
+    assert first.own is not None and all(
+        np.array_equal(a, b) for a, b in zip(first.own, fresh.own or [], strict=False)
+    )
 
 
 def test_an_own_model_the_cluster_model_beats_is_kept_but_not_used(digits: dict[str, Any]) -> None:
@@ -251,7 +256,7 @@ def test_an_own_model_the_cluster_model_beats_is_kept_but_not_used(digits: dict[
 
 
 @settings(deadline=None)
-@given(st.integers(5, 2000), st.integers(1, 12))
+@given(st.integers(6, 2000), st.integers(1, 12))
 def test_the_critical_value_is_students_t_divided_among_the_candidates(n: int, k: int) -> None:
     from scipy.stats import t
 

@@ -178,6 +178,7 @@ class Aggregates:
             seed=int(cfg.get("seed", task.round_id)),
             round_id=task.round_id,
             previous=device.personal.own if device.personal is not None else None,
+            initial=device.initial,
         )
         device.personal = chosen
         return dict(chosen.metrics)

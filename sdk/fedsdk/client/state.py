@@ -30,6 +30,7 @@ __all__ = [
     "follow_model",
     "model_input",
     "run_of",
+    "task_weights",
 ]
 
 
@@ -105,6 +106,8 @@ class DeviceState:
     last_round_at: float | None = None  # when the federation's last round was applied (monotonic)
     personal_epochs: int = 0  # fine-tune epochs after each applied round (0: personalisation off)
     personal: PersonalModel | None = None  # the model the device uses, from its last personalisation
+    # the federation's initial model (a sketch task's, or round 1's): where its own model starts (personal.py)
+    initial: list[np.ndarray] | None = None
     # the model of the cluster it trained before its last move, by cluster: (round, weights) (follow_model)
     parked: dict[int, tuple[int, list[np.ndarray]]] = field(default_factory=dict)
 
@@ -137,6 +140,16 @@ def follow_model(device: DeviceState, cluster_id: int) -> bool:
         # restart): it holds none, says so, and gets it from a device that does (fedsdk.client.relay)
         device.weights, device.model_round = None, -1
     return False
+
+
+def task_weights(device: DeviceState, task: Task, phase: str) -> list[np.ndarray]:
+    """The model ``task`` carries, as float32 arrays; the federation's initial model is kept aside the first
+    time one comes (a sketch task carries it, and round 1's tasks do): a device's own model starts from it
+    (:mod:`fedsdk.personal`), as training alone would."""
+    base = [np.array(w, dtype=np.float32) for w in task.weights]
+    if device.initial is None and (phase == "sketch" or task.round_id == 1):
+        device.initial = [w.copy() for w in base]
+    return base
 
 
 def dims(text: object) -> tuple[int, ...]:

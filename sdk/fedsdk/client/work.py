@@ -29,7 +29,7 @@ import numpy as np
 
 from fedsdk import pipeline
 from fedsdk.client.masking import session_of
-from fedsdk.client.state import DeviceState, model_input, run_of
+from fedsdk.client.state import DeviceState, model_input, run_of, task_weights
 from fedsdk.crypto.fixedpoint import FixedPoint
 from fedsdk.crypto.pool import auto_capacity
 from fedsdk.errors import ConfigError, TrainingError, UpdateWithheld, ValidationError
@@ -120,7 +120,7 @@ class Work:
         """The model ``task`` trains from: the one it carries, else the one this device holds."""
         device = self.device
         if task.weights:
-            base = [np.array(w, dtype=np.float32) for w in task.weights]
+            base = task_weights(device, task, phase)
             self._shapes, self.names = [tuple(w.shape) for w in base], tuple(task.param_names)
             if phase == "train":  # round r-1's result, held from now on: the coordinator counts it held (a
                 # round that fails runs again with tasks that under HE carry no model)
