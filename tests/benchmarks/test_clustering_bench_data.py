@@ -10,7 +10,16 @@ import pytest
 
 from fedsdk.model import OnnxModel
 from fedsdk.model.data import load_digits
-from fedsdk_bench.clustering.data import HELD_OUT, SCENARIOS, hold_out, layout, prepare, rotate, scoring_set
+from fedsdk_bench.clustering.data import (
+    HELD_OUT,
+    SCENARIOS,
+    hold_out,
+    layout,
+    prepare,
+    rotate,
+    rotate_by,
+    scoring_set,
+)
 from fedsdk_bench.clustering.local import LocalSettings, train_alone
 from fedsdk_bench.clustering.report import goals, scenario_summary
 from fedsdk_coordinator.app import model_for
@@ -73,7 +82,36 @@ def test_devices_get_rotated_shares_and_the_truth_groups() -> None:
     iid = prepare(layout("iid"), seed=0)
     assert [d.group for d in iid] == [0] * 12 and {d.quarter_turns for d in iid} == {0}
     assert len(prepare(layout("rot4-16"), seed=0)) == 16
-    assert set(SCENARIOS) == {"rot4-8", "rot4-16", "mix2x2", "dir0.1", "dir1.0", "iid"}
+    assert set(SCENARIOS) == {
+        "rot4-8", "rot4-16", "mix2x2", "dir0.1", "dir1.0", "iid", "unequal", "rot10-20-30", "rot0-15-30",
+        "noise", "shift", "overlap", "late", "dir0.3",
+    }  # fmt: skip
+
+
+def test_group_scenarios_transform_each_group_alike() -> None:
+    unequal = prepare(layout("unequal"), seed=0)
+    assert [d.group for d in unequal] == [0] * 7 + [1] * 3 + [2] * 2
+    train_rows = {row.tobytes() for row in DIGITS.x_train}
+    for d, k in ((unequal[0], 0), (unequal[8], 3), (unequal[11], 2)):  # 0°, 90° (3 turns back), 180°
+        assert all(row.tobytes() in train_rows for row in rotate(d.train[0], k))
+    small = prepare(layout("rot0-15-30"), seed=0)
+    assert np.allclose(rotate_by(DIGITS.x_train[:5], 90.0), rotate(DIGITS.x_train[:5], 1))
+    assert all(row.tobytes() in train_rows for row in small[0].train[0])  # 0°: as they are
+    assert not any(row.tobytes() in train_rows for row in small[4].train[0][:20])  # 15°: resampled
+    noise = prepare(layout("noise"), seed=0)
+    clean, noisy = noise[0].train[0], noise[4].train[0]
+    assert all(row.tobytes() in train_rows for row in clean)
+    assert 0.0 <= noisy.min() and noisy.max() <= 1.0 and not any(r.tobytes() in train_rows for r in noisy)
+    shift = prepare(layout("shift"), seed=0)[5].train[0].reshape(-1, 8, 8)
+    assert not shift[:, 0, :].any() and not shift[:, :, 0].any()  # moved right and down: blank top, left
+    overlap = prepare(layout("overlap"), seed=1)
+    assert set(np.unique(overlap[0].train[1]).tolist()) <= set(range(7))
+    assert set(np.unique(overlap[7].train[1]).tolist()) <= set(range(3, 10))
+    assert sum(len(d.train[1]) + len(d.held_out[1]) for d in overlap) == len(DIGITS.y_train)
+    late = prepare(layout("late"), seed=0)
+    assert [d.join_after for d in late] == [0] * 8 + [1] and [d.group for d in late] == [0] * 4 + [1] * 4 + [
+        2
+    ]
 
 
 def test_dirichlet_devices_hold_twenty_samples_or_more_and_are_scored_on_their_classes() -> None:
@@ -95,13 +133,27 @@ def test_the_local_arm_keeps_its_best_epoch_on_held_out_data() -> None:
 
 
 def _scenario(
-    name: str, rows: list[tuple[float, float, float, float]], clusters: int, ari: float | None
+    name: str,
+    rows: list[tuple[float, float, float, float]],
+    clusters: int,
+    ari: float | None,
+    late: tuple[int, ...] = (),
 ) -> Any:
+    arm = {"n_clusters": clusters, "ari": ari, "n_proposed": clusters, "ari_proposed": ari, "kept": None}
     seed = {
         "seed": 0,
-        "arms": {"clustered": {"n_clusters": clusters, "ari": ari}},
+        "arms": {"clustered": arm},
         "rows": [
-            {"device": f"dev-{i}", "seed": 0, "a": a, "b": b, "c": c, "d": d, "uses_personal": c != b}
+            {
+                "device": f"dev-{i}",
+                "seed": 0,
+                "a": a,
+                "b": b,
+                "c": c,
+                "d": d,
+                "uses_personal": c != b,
+                "late": i in late,
+            }
             for i, (a, b, c, d) in enumerate(rows)
         ],
     }
@@ -112,14 +164,29 @@ def _scenario(
 
 def test_goals_pass_and_fail_by_their_definitions() -> None:
     good = [(0.80, 0.90, 0.92, 0.85), (0.80, 0.90, 0.905, 0.91)]  # second: c 0.5 point under d
-    checks = {g.name: g for g in goals([_scenario("rot4-8", good, 4, 0.95), _scenario("iid", good, 1, 1.0)])}
+    scenarios = [
+        _scenario("rot4-16", good, 4, 0.95),
+        _scenario("iid", good, 1, 1.0),
+        _scenario("late", good, 2, 0.8, (1,)),
+    ]
+    checks = {g.name: g for g in goals(scenarios)}
     assert all(g.passed for g in checks.values()), checks
     bad = [(0.80, 0.90, 0.92, 0.85), (0.80, 0.90, 0.89, 0.91)]  # second: c 2 points under d
-    sc = _scenario("rot4-8", bad, 2, 0.4)
+    sc = _scenario("rot4-16", bad, 2, 0.4)
     assert sc["summary"]["misses"] == 1 and sc["summary"]["worst_margin"] == pytest.approx(-0.02)
-    checks = {g.name: g for g in goals([sc, _scenario("iid", good, 2, 0.0)])}
-    assert [checks[n].passed for n in ("ari", "iid", "no-loser", "means")] == [False, False, False, True]
-    below = [(0.80, 0.80, 0.81, 0.815), (0.80, 0.80, 0.81, 0.815)]  # c half a point under d
+    checks = {
+        g.name: g for g in goals([sc, _scenario("iid", good, 2, 0.0), _scenario("late", bad, 2, 0.8, (1,))])
+    }
+    assert [checks[n].passed for n in ("ari", "iid", "no-loser", "chosen", "late")] == [
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]
+    below = [(0.82, 0.80, 0.81, 0.815), (0.80, 0.80, 0.81, 0.815)]  # c one point under a, then over
     checks = {g.name: g for g in goals([_scenario("dir0.1", below, 3, None)])}
-    assert checks["ari"].passed is None and checks["iid"].passed is None
-    assert checks["means"].passed is False and checks["no-loser"].passed is True
+    assert checks["ari"].passed is None and checks["iid"].passed is None and checks["late"].passed is None
+    assert checks["chosen"].passed is True and checks["no-loser"].passed is True
+    worse = [(0.83, 0.80, 0.81, 0.815), (0.83, 0.80, 0.83, 0.815)]  # mean c under mean a
+    assert {g.name: g for g in goals([_scenario("dir0.1", worse, 1, None)])}["chosen"].passed is False
