@@ -157,7 +157,10 @@ def test_readme_broker_steps_run_as_written(work: Path, provisioner: str, starte
     finally:
         terminate(proc)
     log = (work / "mosquitto.log").read_text(errors="replace")
-    assert "Error" not in log, log
+    # the readiness probe (a TCP connect closed before any TLS handshake) is logged by mosquitto's OpenSSL,
+    # now and then, as an unexpected EOF from an unknown client: not an error of the steps under test
+    errors = [ln for ln in log.splitlines() if "Error" in ln and "unexpected eof while reading" not in ln]
+    assert not errors, log
     assert (fleet / "broker" / "data" / "mosquitto.db").is_file(), log  # persistence saved at exit
     conf = (fleet / "broker" / "mosquitto.conf").read_text()
     owner = pwd.getpwuid(fleet.stat().st_uid).pw_name
