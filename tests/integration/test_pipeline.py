@@ -166,3 +166,23 @@ def test_coordinator_cannot_read_an_encrypted_pack(runs: dict[str, dict[str, Any
                 coordinator_he.decrypt_aggregate(agg)
             avg = key_holder.decrypt_aggregate(agg)
             assert avg.shape == (msg.n_values,) and abs(avg).max() < 1.0
+
+
+def test_a_demo_long_enough_for_a_trial_counts_and_reports_its_rounds(tmp_path: Path) -> None:
+    """Eight label-skewed devices in two groups, 6 rounds: the sketches propose two clusters, the trial
+    adds their two turns (8 rounds in all); progress lines count to the rounds run, and the final accuracy
+    is the last round's."""
+    out = tmp_path / "trial.json"
+    cmd = [
+        sys.executable, "-m", "fedsdk", "demo", "--clients", "8", "--rounds", "6", "--partition",
+        "label-skew", "--groups", "2", "--model", "mlp16", "--strategy", "plaintext", "--clustering", "on",
+        "--epochs", "2", "--insecure", "--workdir", str(tmp_path / "w"), "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["config"]["rounds"] == 6 and summary["config"]["rounds_run"] == 8
+    assert "round 8/8 cluster" in proc.stdout and "/6 cluster" not in proc.stdout
+    assert summary["final_accuracy"] is not None
+    last = [r for r in summary["rounds"] if r["round"] == 8 and r["state"] == "done"]
+    assert last and all(r["accuracy"] is not None for r in last)

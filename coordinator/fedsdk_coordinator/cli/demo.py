@@ -281,14 +281,14 @@ async def _federate(
             printed: set[tuple[int, int]] = set()
             while not engine.finished.is_set():
                 await asyncio.sleep(0.25)
-                _print_progress(store, printed, args.rounds)
+                _print_progress(store, printed, engine.config.rounds)  # a trial adds rounds
                 dead = [c for c, p in procs.items() if c != "keyserver" and p.poll() not in (None, 0)]
                 if dead and not engine.finished.is_set():
                     print(
                         f"device process(es) {', '.join(dead)} exited early; logs in {logs}", file=sys.stderr
                     )
                     break
-            _print_progress(store, printed, args.rounds)
+            _print_progress(store, printed, engine.config.rounds)
             devices_only = [p for c, p in procs.items() if c != "keyserver"]
             await asyncio.get_running_loop().run_in_executor(None, _reap, devices_only, 60.0)
         finally:
@@ -377,7 +377,7 @@ def _summary(
         )
     final: dict[int, float] = {}
     for row in rounds:
-        if row["state"] == "done" and row["round"] == args.rounds and row["accuracy"] is not None:
+        if row["state"] == "done" and row["round"] == engine.config.rounds and row["accuracy"] is not None:
             final[row["cluster"]] = row["accuracy"]
     sizes = {k: sum(1 for c in engine.clusters.values() if c == k) or 1 for k in final}
     total = sum(sizes.values())
@@ -393,6 +393,7 @@ def _summary(
         "config": {
             "clients": args.clients,
             "rounds": args.rounds,
+            "rounds_run": engine.config.rounds,  # with the turns a trial of proposed clusters adds
             "model": args.model,
             "partition": args.partition,
             "epochs": args.epochs,
