@@ -35,18 +35,18 @@ def test_schedule_defaults_and_short_federations() -> None:
 def test_a_cluster_that_wins_on_every_device_is_kept_and_one_that_ties_is_not() -> None:
     shared = [0.80, 0.85, 0.90, 0.82]
     win = verdict([0.88, 0.90, 0.97, 0.86], shared)
-    assert win["kept"] and win["devices"] == 4 and win["gain"] == pytest.approx(0.06)
+    assert win["wins"] and win["devices"] == 4 and win["gain"] == pytest.approx(0.06)
     assert win["needed"] == pytest.approx(2.353, abs=1e-3)  # t(0.95, 3)
     tie = verdict([0.82, 0.83, 0.91, 0.81], shared)  # +0.02, −0.02, +0.01, −0.01
-    assert not tie["kept"] and not tie["loses"]
+    assert not tie["wins"] and not tie["loses"]
     lose = verdict([0.75, 0.80, 0.84, 0.78], shared)
-    assert not lose["kept"] and lose["loses"]
-    assert not verdict([0.9], [0.8])["kept"]  # one device: no test
+    assert not lose["wins"] and lose["loses"]
+    assert not verdict([0.9], [0.8])["wins"]  # one device: no test
     same = verdict([0.9, 0.9, 0.9], [0.8, 0.8, 0.8])  # the same gain everywhere: t undefined, kept
-    assert same["kept"] and same["t"] is None
+    assert same["wins"] and same["t"] is None
     # lower is better (mae): the signs turn
-    assert verdict([0.10, 0.12, 0.11], [0.20, 0.21, 0.19], lower_is_better=True)["kept"]
-    assert not verdict([0.30, 0.32, 0.31], [0.20, 0.21, 0.19], lower_is_better=True)["kept"]
+    assert verdict([0.10, 0.12, 0.11], [0.20, 0.21, 0.19], lower_is_better=True)["wins"]
+    assert not verdict([0.30, 0.32, 0.31], [0.20, 0.21, 0.19], lower_is_better=True)["wins"]
     with pytest.raises(ConfigError):
         verdict([0.9, 0.8], [0.7])
 
@@ -61,15 +61,15 @@ def test_the_test_is_a_one_sided_paired_t_test(pairs: list[tuple[float, float]],
     v = verdict(cluster, shared)
     d = np.subtract(cluster, shared)
     assert v["gain"] == pytest.approx(float(d.mean()), abs=1e-12)
-    if v["kept"]:  # kept only on a positive mean whose t reaches the quantile
+    if v["wins"]:  # wins only on a positive mean whose t reaches the quantile
         assert d.mean() > 0 and (v["t"] is None or v["t"] >= t_quantile(len(d) - 1))
     # the decision depends only on the differences: the same shift on both sides changes nothing
     moved = verdict([a + shift for a in cluster], [b + shift for b in shared])
     if v["t"] is not None and abs(v["t"] - v["needed"]) > 1e-6 and d.std(ddof=1) > 1e-6:
-        assert moved["kept"] == v["kept"]
-    # adding the same gain to every device never turns a kept cluster into a refused one
-    if v["kept"]:
-        assert verdict([a + abs(shift) for a in cluster], shared)["kept"]
+        assert moved["wins"] == v["wins"]
+    # adding the same gain to every device never turns a winner into a loser
+    if v["wins"]:
+        assert verdict([a + abs(shift) for a in cluster], shared)["wins"]
 
 
 def test_clusters_not_kept_fold_into_the_shared_model() -> None:
@@ -80,16 +80,16 @@ def test_clusters_not_kept_fold_into_the_shared_model() -> None:
         silhouette=0.4,
         converged=True,
     )
-    out = _regrouped(c, kept=[3])
+    out = _regrouped(c, keep=[3])
     assert dict(out.labels) == {**dict.fromkeys("abcde", SHARED), "f": 3, "g": 3}
     assert dict(out.exemplars) == {SHARED: "d", 3: "f"}  # the largest folded cluster's exemplar
-    assert _regrouped(c, kept=[1, 2, 3]) is c
-    none = _regrouped(c, kept=[])
+    assert _regrouped(c, keep=[1, 2, 3]) is c
+    none = _regrouped(c, keep=[])
     assert none.n_clusters == 1 and none.silhouette is None and set(none.labels.values()) == {SHARED}
 
 
 def _v(wins: bool = False, loses: bool = False) -> dict[str, bool]:
-    return {"kept": wins, "loses": loses}
+    return {"wins": wins, "loses": loses}
 
 
 def test_which_clusters_are_kept() -> None:

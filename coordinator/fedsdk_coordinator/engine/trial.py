@@ -118,11 +118,12 @@ def t_quantile(df: int, level: float = 0.95) -> float:
 def verdict(
     cluster: Sequence[float], shared: Sequence[float], *, lower_is_better: bool = False
 ) -> dict[str, Any]:
-    """Whether a proposed cluster is kept: ``cluster[i]`` and ``shared[i]`` are device i's held-out metric
-    of its cluster's model and of the shared model, each after its last trial round. Kept when the
-    differences (signs turned for a metric where lower is better) have a positive mean by a one-sided
-    paired t-test at 5 %; ``loses`` when the same test says the shared model is better (t ≤ −quantile).
-    ``t`` is None with fewer than two devices (never kept) and when every device has the same difference
+    """Whether a proposed cluster wins or loses against the shared model: ``cluster[i]`` and ``shared[i]``
+    are device i's held-out metric of its cluster's model and of the shared model, each after its last
+    trial round. ``wins`` when the differences (signs turned for a metric where lower is better) have a
+    positive mean by a one-sided paired t-test at 5 %; ``loses`` when the same test says the shared model
+    is better (t ≤ −quantile).
+    ``t`` is None with fewer than two devices (never wins) and when every device has the same difference
     (its sign decides). Whether a cluster that wins is kept also depends on the others (:func:`kept`)."""
     if len(cluster) != len(shared):
         raise ConfigError("one figure of each model per device")
@@ -131,13 +132,13 @@ def verdict(
     m = int(d.size)
     out: dict[str, Any] = {"devices": m, "gain": float(d.mean()) if m else 0.0}
     if m < 2:
-        return {**out, "t": None, "needed": None, "kept": False, "loses": False}
+        return {**out, "t": None, "needed": None, "wins": False, "loses": False}
     mean, sd = float(d.mean()), float(d.std(ddof=1))
     needed = t_quantile(m - 1)
     if sd == 0.0:  # every device the same difference: t is undefined (null in JSON), the sign decides
-        return {**out, "t": None, "needed": needed, "kept": mean > 0, "loses": mean < 0}
+        return {**out, "t": None, "needed": needed, "wins": mean > 0, "loses": mean < 0}
     t = mean / (sd / math.sqrt(m))
-    return {**out, "t": t, "needed": needed, "kept": bool(mean > 0 and t >= needed), "loses": t <= -needed}
+    return {**out, "t": t, "needed": needed, "wins": mean > 0 and t >= needed, "loses": t <= -needed}
 
 
 def kept(verdicts: Mapping[int, Mapping[str, Any]]) -> list[int]:
@@ -146,7 +147,7 @@ def kept(verdicts: Mapping[int, Mapping[str, Any]]) -> list[int]:
     when a single cluster is left over, it is kept too (the shared model would be its alone)."""
     if any(v["loses"] for v in verdicts.values()):
         return []
-    wins = sorted(k for k, v in verdicts.items() if v["kept"])
+    wins = sorted(k for k, v in verdicts.items() if v["wins"])
     rest = sorted(set(verdicts) - set(wins))
     return sorted(verdicts) if wins and len(rest) == 1 else wins
 
@@ -291,7 +292,7 @@ def _decide(e: RoundEngine, st: dict[str, Any], round_id: int) -> None:
         metric = next((own[m][0] for m in ids), metric)
         lower = metric in LOWER_IS_BETTER
         v = verdict([own[m][1] for m in ids], [shared[m][1] for m in ids], lower_is_better=lower)
-        tests[cluster] = {**v, "metric": metric, "wins": v["kept"]}
+        tests[cluster] = {**v, "metric": metric}
     keep = kept(tests)
     verdicts = {str(k): {**v, "kept": k in keep} for k, v in tests.items()}
     _assign(e, {cid: (c if c in keep else SHARED) for cid, c in proposed.items()})
@@ -310,16 +311,16 @@ def _decide(e: RoundEngine, st: dict[str, Any], round_id: int) -> None:
         )  # fmt: skip
 
 
-def _regrouped(c: Clustering, kept: Sequence[int]) -> Clustering:
-    """``c`` with the clusters not ``kept`` folded into the shared model's (its exemplar: the largest
+def _regrouped(c: Clustering, keep: Sequence[int]) -> Clustering:
+    """``c`` with the clusters not in ``keep`` folded into the shared model's (its exemplar: the largest
     folded cluster's)."""
-    folded = [k for k in c.exemplars if k not in kept]
+    folded = [k for k in c.exemplars if k not in keep]
     if not folded:
         return c
     lead = max(folded, key=lambda k: (len(c.members_by_cluster[k]), -k))
-    labels = {m: (k if k in kept else SHARED) for m, k in c.labels.items()}
-    exemplars = {k: v for k, v in c.exemplars.items() if k in kept}
-    centers = {k: v for k, v in c.centers.items() if k in kept}
+    labels = {m: (k if k in keep else SHARED) for m, k in c.labels.items()}
+    exemplars = {k: v for k, v in c.exemplars.items() if k in keep}
+    centers = {k: v for k, v in c.centers.items() if k in keep}
     exemplars[SHARED], centers[SHARED] = c.exemplars[lead], c.centers[lead]
-    silhouette = c.silhouette if kept else None
+    silhouette = c.silhouette if keep else None
     return Clustering(labels, exemplars, centers, silhouette, c.converged, c.fallback, c.steps)
