@@ -49,7 +49,7 @@ from fedsdk_coordinator.engine.federation import FederationState
 from fedsdk_coordinator.engine.inbound import Inbound
 from fedsdk_coordinator.engine.masking import new_session, republish
 from fedsdk_coordinator.engine.outbox import Outbox, Publish
-from fedsdk_coordinator.engine.planning import failed_on_device, group_by_cluster, plan_rounds
+from fedsdk_coordinator.engine.planning import failed_on_device, group_by_cluster, plan_rounds, retry_due
 from fedsdk_coordinator.engine.relay import ModelRelays, cluster_members, without_lacking
 from fedsdk_coordinator.engine.sketching import run_sketch_round
 from fedsdk_coordinator.engine.state import RoundState, failure_summary, wait
@@ -300,9 +300,9 @@ class RoundEngine(FederationState):
 
     async def _wait_to_retry(self, round_id: int, why: str) -> bool:
         """A round (or the sketch round) got too few valid updates. Policy: the federation does not end; the
-        round runs again, with a new plan, as soon as a device joins or comes back, and the federation
-        fails only if none does within ``join_timeout_s``. Devices that answered the failed attempt answer
-        the same task again with the same reply (they do not train twice on one round)."""
+        round runs again, with a new plan, once a device joins or comes back, or at once when a quorum is
+        online without the devices whose own work failed (``retry_due``); it fails if neither comes within
+        ``join_timeout_s``. Devices that answered the failed attempt answer it again with the same reply."""
         c = self.config
         self.store.drop_replies(round_id)
         self.retry_without = {round_id: failed_on_device(self.open_rounds.values(), round_id)}
@@ -310,8 +310,8 @@ class RoundEngine(FederationState):
         self.detail = f"{why}; waiting up to {c.join_timeout_s:.0f} s for a device to join or return"
         _say_retry(round_id, self.detail, c.join_timeout_s)
         await self._set_state("running")
-        # a hello (a device joined or came back) since the failed attempt was planned
-        if not await self.presence_until(lambda: self.arrivals != self.planned_at, c.join_timeout_s):
+        # a hello since the failed attempt was planned, or a quorum online without the devices that failed
+        if not await self.presence_until(lambda: retry_due(self, round_id), c.join_timeout_s):
             return False
         await asyncio.sleep(min(1.0, c.deadline_s / 10))  # devices joining together join one attempt
         log.info("round %d runs again with %d devices online", round_id, len(self.online))

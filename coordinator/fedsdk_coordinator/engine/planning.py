@@ -7,6 +7,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from fedsdk.crypto import FixedPoint
 from fedsdk.errors import EncodingError
@@ -15,11 +16,33 @@ from fedsdk_coordinator.engine.measure import Measured
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies.base import ClusterPlan, Strategy
 
-__all__ = ["DEVICE_FAILURE", "failed_on_device", "group_by_cluster", "plan_rounds", "weight_unit"]
+if TYPE_CHECKING:
+    from fedsdk_coordinator.engine.federation import FederationState
+
+__all__ = [
+    "DEVICE_FAILURE",
+    "failed_on_device",
+    "group_by_cluster",
+    "plan_rounds",
+    "retry_due",
+    "weight_unit",
+]
 
 DEVICE_FAILURE = "device"  # the Error code of a device whose training (or its own checks) failed
 
 log = logging.getLogger(__name__)
+
+
+def retry_due(e: FederationState, round_id: int) -> bool:
+    """Whether a failed ``round_id`` runs again now: a device joined or came back since the failed attempt
+    was planned, or the devices online less those the next attempt runs without (their own work failed:
+    :func:`failed_on_device`) still make a quorum (``min_online``). Without the second, a round that failed
+    on broken devices (their errors, a masking stage they held up) while enough good devices were online
+    waited for a hello that never came (a CI run waited out its 600 s)."""
+    if e.arrivals != e.planned_at:
+        return True
+    skip = e.retry_without.get(round_id, {})
+    return bool(skip) and sum(1 for c in e.online if c not in skip) >= e.min_online
 
 
 def failed_on_device(rounds: Iterable[RoundState], round_id: int) -> dict[str, str]:
