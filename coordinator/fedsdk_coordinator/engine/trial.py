@@ -58,9 +58,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedsdk.errors import ConfigError
-from fedsdk.personal import LOWER_IS_BETTER
+from fedsdk.personal import LOWER_IS_BETTER, paired_t
 from fedsdk_coordinator.clustering import Clustering, assign_nearest
 from fedsdk_coordinator.engine.config import RoundConfig
+from fedsdk_coordinator.evaluation import METRICS  # the task metrics a report names test_<metric>
 
 if TYPE_CHECKING:
     from fedsdk_coordinator.rounds import RoundEngine
@@ -84,7 +85,6 @@ progress = logging.getLogger("fedsdk.progress.rounds")
 SHARED = 0  # the shared model's cluster id
 MIN_ROUNDS = 6  # fewer rounds: no trial unless asked for (split_after / trial_rounds)
 KEY = "split"
-METRICS = ("accuracy", "label_accuracy", "mae")  # the task metrics a report names test_<metric>
 
 
 def schedule(
@@ -109,7 +109,9 @@ def schedule(
 
 
 def t_quantile(df: int, level: float = 0.95) -> float:
-    """The one-sided ``level`` quantile of Student's t with ``df`` degrees of freedom."""
+    """The one-sided ``level`` quantile of Student's t with ``df`` degrees of freedom (scipy: a proposed
+    cluster has as few as 3 devices, 2 degrees of freedom, where the device's Cornish-Fisher
+    :func:`fedsdk.personal.t_critical` is not accurate)."""
     from scipy.stats import t
 
     return float(t.ppf(level, df))
@@ -128,17 +130,15 @@ def verdict(
     if len(cluster) != len(shared):
         raise ConfigError("one figure of each model per device")
     sign = -1.0 if lower_is_better else 1.0
-    d = sign * (np.asarray(cluster, dtype=np.float64) - np.asarray(shared, dtype=np.float64))
-    m = int(d.size)
-    out: dict[str, Any] = {"devices": m, "gain": float(d.mean()) if m else 0.0}
+    mine, theirs = sign * np.asarray(cluster, dtype=np.float64), sign * np.asarray(shared, dtype=np.float64)
+    m = len(mine)
+    out: dict[str, Any] = {"devices": m, "gain": float(np.mean(mine - theirs)) if m else 0.0}
     if m < 2:
         return {**out, "t": None, "needed": None, "wins": False, "loses": False}
-    mean, sd = float(d.mean()), float(d.std(ddof=1))
-    needed = t_quantile(m - 1)
-    if sd == 0.0:  # every device the same difference: t is undefined (null in JSON), the sign decides
-        return {**out, "t": None, "needed": needed, "wins": mean > 0, "loses": mean < 0}
-    t = mean / (sd / math.sqrt(m))
-    return {**out, "t": t, "needed": needed, "wins": mean > 0 and t >= needed, "loses": t <= -needed}
+    t, needed = paired_t(mine, theirs), t_quantile(m - 1)  # the device's own paired statistic
+    if not math.isfinite(t):  # every device the same difference: the sign decides (t is null in JSON)
+        return {**out, "t": None, "needed": needed, "wins": t > 0, "loses": t < 0}
+    return {**out, "t": t, "needed": needed, "wins": t >= needed, "loses": t <= -needed}
 
 
 def kept(verdicts: Mapping[int, Mapping[str, Any]]) -> list[int]:
