@@ -314,7 +314,18 @@ def attack_run(run: Run, scenario: str, args: argparse.Namespace) -> dict[str, A
     ]
     out: dict[str, Any] = {"updates": len(updates)}
     all_x = {cid: x for cid, (x, _) in run.data.items()}
-    members = {k: [c for c, kk in run.clusters.items() if kk == k] for k in set(run.clusters.values())}
+    # the devices behind each (cluster, round): those that sent it an update (a cluster's members change
+    # across a trial of proposed clusters, engine/trial.py), else the final assignment
+    final = {k: [c for c, kk in run.clusters.items() if kk == k] for k in set(run.clusters.values())}
+    sent: dict[tuple[int, int], set[str]] = {}
+    for t, p in run.received:
+        if t.endswith("/update"):
+            u = decode(p)
+            sent.setdefault((int(u.cluster_id), int(u.round_id)), set()).add(str(u.client_id))
+
+    def truth(k: int, r: int) -> np.ndarray:
+        return np.concatenate([all_x[c] for c in sorted(sent.get((k, r)) or final[k])])
+
     if scenario == "demo":
         scores = [
             first_layer_attack(stolen_key_view(he, m), np.concatenate(list(all_x.values())), public, i)
@@ -323,19 +334,15 @@ def attack_run(run: Run, scenario: str, args: argparse.Namespace) -> dict[str, A
         out["individual_stolen_key"] = merge(scores)
         out["sums_stolen_key"] = merge(
             [
-                first_layer_attack(
-                    he.decrypt_aggregate(he_agg(env)), np.concatenate([all_x[c] for c in members[k]]), public
-                )
-                for (k, _), env in run.aggregates.items()
+                first_layer_attack(he.decrypt_aggregate(he_agg(env)), truth(k, r), public)
+                for (k, r), env in run.aggregates.items()
             ]
         )
     if scenario == "keyserver":
         out["averages"] = merge(
             [
                 first_layer_attack(
-                    np.asarray(a.weights[0], np.float64),
-                    np.concatenate([all_x[c] for c in members[a.cluster_id]]),
-                    public,
+                    np.asarray(a.weights[0], np.float64), truth(a.cluster_id, a.round_id), public
                 )
                 for a in run.averages
             ]
@@ -374,20 +381,14 @@ def attack_run(run: Run, scenario: str, args: argparse.Namespace) -> dict[str, A
         out["individual_coordinator"] = merge(per)
         out["sums_coordinator"] = merge(
             [
-                first_layer_attack(
-                    sum_clear_view(decode(env), he.pack_size),
-                    np.concatenate([all_x[c] for c in members[k]]),
-                    public,
-                )
-                for (k, _), env in run.aggregates.items()
+                first_layer_attack(sum_clear_view(decode(env), he.pack_size), truth(k, r), public)
+                for (k, r), env in run.aggregates.items()
             ]
         )
         out["sums_key_holder"] = merge(
             [
-                first_layer_attack(
-                    he.decrypt_aggregate(he_agg(env)), np.concatenate([all_x[c] for c in members[k]]), public
-                )
-                for (k, _), env in run.aggregates.items()
+                first_layer_attack(he.decrypt_aggregate(he_agg(env)), truth(k, r), public)
+                for (k, r), env in run.aggregates.items()
             ]
         )
         out["label_recall"] = round(float(np.mean(labels)), 3) if labels else None
