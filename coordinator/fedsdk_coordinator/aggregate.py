@@ -25,7 +25,7 @@ from fedsdk.errors import ProtocolError
 from fedsdk.protocol import Error, MaskedUpdate, Update
 from fedsdk.secagg.plain import PLAIN_FIXED, PLAIN_SHARE, RING16, RING32, decode_sum
 
-__all__ = ["AggregateResult", "fedavg", "masked_fedavg", "split_replies"]
+__all__ = ["AggregateResult", "fedavg", "masked_fedavg", "masked_mean", "split_replies"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,28 @@ def fedavg(global_weights: Sequence[np.ndarray], updates: Sequence[Update]) -> A
     )
 
 
+def masked_mean(
+    global_weights: Sequence[np.ndarray],
+    codes_sum: np.ndarray,
+    ring_bits: int,
+    weights: Sequence[int],
+    correction: list[tuple[bytes, int]],
+) -> list[np.ndarray]:
+    """``global_weights`` plus the mean that the sum of masked codes ``codes_sum`` (of devices of ``weights``,
+    in Z_2^16 or Z_2^32) decodes to once the expansion of the ``correction`` terms is added. The sum may come
+    from one process or from the partial sums of aggregation workers: addition modulo 2^b commutes."""
+    fixed, ring = (PLAIN_SHARE, RING16) if ring_bits == 16 else (PLAIN_FIXED, RING32)
+    n = int(np.size(codes_sum))
+    total = ring.expand_sum(correction, n)[:, 0].astype(codes_sum.dtype) + codes_sum  # wraps
+    mean = decode_sum(total, fixed.check_group(list(weights)), fixed)
+    out, pos = [], 0
+    for w in global_weights:
+        size = int(np.size(w))
+        out.append(np.asarray(w, dtype=np.float64) + mean[pos : pos + size].reshape(np.shape(w)))
+        pos += size
+    return out
+
+
 def masked_fedavg(
     global_weights: Sequence[np.ndarray], updates: Sequence[MaskedUpdate], correction: list[tuple[bytes, int]]
 ) -> AggregateResult:
@@ -71,19 +93,13 @@ def masked_fedavg(
     if not updates:
         raise ProtocolError("no valid update to aggregate")
     ordered = sorted(updates, key=lambda u: u.client_id)
-    n, bits = ordered[0].n_values, ordered[0].ring_bits
+    bits = ordered[0].ring_bits
     if any(u.ring_bits != bits for u in ordered):
         raise ProtocolError("masked updates of two encodings cannot be summed")
-    fixed, ring = (PLAIN_SHARE, RING16) if bits == 16 else (PLAIN_FIXED, RING32)
-    total = ring.expand_sum(correction, n)[:, 0].astype(ordered[0].codes.dtype)
-    for u in ordered:
+    total = ordered[0].codes.copy()
+    for u in ordered[1:]:
         total += u.codes  # uint16 or uint32: wraps modulo 2^16 or 2^32
-    mean = decode_sum(total, fixed.check_group([u.weight for u in ordered]), fixed)
-    out, pos = [], 0
-    for w in global_weights:
-        size = int(np.size(w))
-        out.append(np.asarray(w, dtype=np.float64) + mean[pos : pos + size].reshape(np.shape(w)))
-        pos += size
+    out = masked_mean(global_weights, total, bits, [u.weight for u in ordered], correction)
     return AggregateResult(
         weights=out,
         num_clients=len(ordered),

@@ -153,10 +153,12 @@ def issue_cert(
     dns_names: Sequence[str] = (),
     ip_addresses: Sequence[str] = (),
     days: int = 825,
+    client_too: bool = False,
 ) -> KeyPair:
     """A leaf certificate signed by ``ca``: serverAuth with SANs when ``server``, else clientAuth with
     CN = client id and the URI SAN ``spiffe://fedsdk.local/device/<client id>`` (plus any names given).
-    825 days is the CA/Browser Forum's former ceiling for leaf validity."""
+    ``client_too`` adds clientAuth to a server certificate (the nodes of a broker cluster present it to each
+    other). 825 days is the CA/Browser Forum's former ceiling for leaf validity."""
     _check_name(common_name)
     if server and not (dns_names or ip_addresses):
         raise ConfigError("a server certificate needs at least one DNS name or IP address")
@@ -170,7 +172,9 @@ def issue_cert(
         raise ConfigError("the CA key must be an EC key")
     key = _new_key()
     start, end = _validity(days)
-    eku = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    ekus = [ExtendedKeyUsageOID.SERVER_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if server and client_too:
+        ekus.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
@@ -194,7 +198,7 @@ def issue_cert(
             ),
             critical=True,
         )
-        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(ekus), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False

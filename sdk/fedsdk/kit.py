@@ -44,7 +44,7 @@ from fedsdk.errors import ConfigError, KeyMismatchError
 from fedsdk.files import write_private, write_public
 from fedsdk.hekeys import PARAMS, PUBLIC, SECRET
 from fedsdk.protocol.topics import validate_config_id
-from fedsdk.transport import TlsConfig, parse_broker_url
+from fedsdk.transport import TlsConfig, parse_broker_urls
 
 __all__ = [
     "KIT_FILE",
@@ -59,7 +59,7 @@ __all__ = [
 
 KIT_FILE = "fedsdk.json"
 KIT_FORMAT = 1
-ROLES = ("device", "coordinator", "keyserver")
+ROLES = ("device", "coordinator", "keyserver", "aggregator")
 _HE_META, _HE_PUBLIC, _HE_SECRET = PARAMS, PUBLIC, SECRET  # the fedsdk.hekeys folder layout
 
 
@@ -223,7 +223,7 @@ def load_kit(path: str | os.PathLike[str], *, strict_modes: bool = True) -> Kit:
         raise ConfigError(f"{root / KIT_FILE}: unknown role {role!r}")
     if key_mode not in ("shared", "keyserver"):
         raise ConfigError(f"{root / KIT_FILE}: unknown key mode {key_mode!r}")
-    if not parse_broker_url(str(broker_url)).tls:
+    if not parse_broker_urls(str(broker_url))[0].tls:
         raise ConfigError(f"{root / KIT_FILE}: a kit's broker URL must be mqtts://, got {broker_url!r}")
     for f in (ca_file, cert_file, he_dir / _HE_META, he_dir / _HE_PUBLIC):
         if not f.is_file():

@@ -288,10 +288,10 @@ def _apply_kit(args: argparse.Namespace) -> None:
     if kit.role != "coordinator":
         raise ConfigError(f"{args.kit} is a {kit.role} kit; the coordinator needs the coordinator kit")
     if args.embedded_broker:
-        from fedsdk.transport import parse_broker_url
+        from fedsdk.transport import parse_broker_urls
 
         if args.listen is None:  # the embedded broker listens where the fleet's devices are told to connect
-            address = parse_broker_url(kit.broker_url)
+            address = parse_broker_urls(kit.broker_url)[0]
             args.listen = hostport(address.host, address.port)
     elif args.broker is None:
         args.broker = kit.broker_url

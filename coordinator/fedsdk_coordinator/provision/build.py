@@ -58,6 +58,7 @@ from fedsdk_coordinator.provision.mosquitto import (
     render_in_place_conf,
     render_mosquitto_conf,
 )
+from fedsdk_coordinator.provision.nats import NATS_DIR, nats_urls, render_fleet_conf, stream_name, write_nats
 
 __all__ = [
     "BundleRequest",
@@ -184,14 +185,46 @@ def _write_device(
     )
 
 
+def _write_aggregator(root: Path, fleet: Fleet, ca: KeyPair, he: HEMaterial, ledger: Ledger) -> None:
+    """The aggregation workers' kit (``aggregator/``): their certificate, the HE public key they sum under and
+    ``nats.json`` with the cluster's NATS URLs."""
+    pair = issue_cert(ca, "aggregator", days=fleet.leaf_days)
+    ledger.record("aggregator", pair.cert_pem)
+    kit = root / "aggregator"
+    write_kit(
+        kit,
+        role="aggregator",
+        federation=fleet.federation,
+        client_id="aggregator",
+        broker_url=fleet.broker.broker_url,
+        key_mode=fleet.key_mode,
+        ca_cert_pem=ca.cert_pem,
+        identity=pair,
+        he=he.public_only(),
+        include_secret=False,
+    )
+    urls = {"nats_urls": nats_urls(fleet.broker.nodes), "stream": stream_name(fleet.federation)}
+    write_public(kit / "nats.json", _dumps(urls).encode())
+
+
 def _write_broker_acl(root: Path, fleet: Fleet) -> None:
     write_public(root / "broker" / "acl", render_acl(fleet.federation, key_mode=fleet.key_mode).encode())
 
 
 def write_crl(root: Path, ca: KeyPair, ledger: Ledger) -> Path:
-    return write_public(
+    """``broker/crl.pem`` from the ledger; a NATS cluster's ``fleet.conf`` too (it pins the valid keys)."""
+    crl = write_public(
         root / "broker" / "crl.pem", build_crl(ca, ledger.revocations(), number=ledger.crl_number)
     )
+    if (root / _FLEET_FILE).is_file():
+        _write_cluster_rules(root, load_fleet(root / _FLEET_FILE), ledger)
+    return crl
+
+
+def _write_cluster_rules(root: Path, fleet: Fleet, ledger: Ledger) -> None:
+    """A NATS cluster's ``fleet.conf``: its users and pinned keys follow the devices and the ledger."""
+    if fleet.broker.engine == "nats" and (root / "broker" / NATS_DIR).is_dir():
+        write_public(root / "broker" / NATS_DIR / "fleet.conf", render_fleet_conf(fleet, ledger).encode())
 
 
 @dataclass(frozen=True)
@@ -214,9 +247,11 @@ def _build(fleet: Fleet, root: Path, final: Path, bundle: BundleRequest | None =
     write_he(root / "he", he if shared else he.public_only(), include_secret=shared)
 
     b = fleet.broker
+    cluster = b.engine == "nats"
     server = issue_cert(
-        ca, "broker", server=True, dns_names=b.dns_names, ip_addresses=b.ip_addresses, days=fleet.leaf_days
-    )
+        ca, "broker", server=True, dns_names=b.dns_names, ip_addresses=b.ip_addresses, days=fleet.leaf_days,
+        client_too=cluster,
+    )  # fmt: skip
     ledger.record("broker", server.cert_pem)
     bdir = root / "broker"
     write_public(bdir / "ca.pem", ca.cert_pem)
@@ -262,12 +297,16 @@ def _build(fleet: Fleet, root: Path, final: Path, bundle: BundleRequest | None =
             include_secret=True,
             **common,
         )
+    if cluster:
+        _write_aggregator(root, fleet, ca, he, ledger)
     if bundle is not None:
         build_bundle(root, bundle.platform, wheels_from=bundle.wheels_from)
     for cid in fleet.devices:
         _write_device(root, fleet, ca, he, ledger, cid, root / "devices" / cid)
         add_bundle_to_kit(root, root / "devices" / cid)
     ledger.save()
+    if cluster:
+        write_nats(root, final, fleet, ledger)
     write_public(root / _FLEET_FILE, (_dumps(fleet.to_dict())).encode())
 
 
@@ -352,6 +391,7 @@ class FleetDir:
         write_public(self.root / _FLEET_FILE, _dumps(fleet.to_dict()).encode())
         self.fleet = fleet
         _write_broker_acl(self.root, fleet)
+        _write_cluster_rules(self.root, fleet, self.ledger)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,12 @@ Decisions:
   service; ``broker/mosquitto.system.conf`` names them by absolute path (and ``broker.persistence_dir``).
   ``broker/mosquitto.conf`` runs the broker in the fleet folder itself and ignores both
   (``provision.mosquitto``). ``broker.bind`` limits the listener to one address (default: all).
+* ``broker.engine`` is ``mosquitto`` (the default: one broker) or ``nats``: a NATS cluster whose nodes speak
+  MQTT to the devices and the coordinator and NATS (JetStream) to the aggregation workers
+  (``provision.nats``). ``broker.nodes`` is its node count, all on ``broker.hosts[0]`` with consecutive
+  ports from ``broker.port`` (and 4222, 6222 for the NATS and route ports), or a list of
+  ``{"host", "port", "nats_port", "cluster_port"}``, one per node (default 3 nodes). The kits' broker URL
+  then lists every node, comma-separated: a device connects to one and fails over to the next.
 """
 
 from __future__ import annotations
@@ -43,21 +49,24 @@ from typing import Any
 from fedsdk.crypto import BACKENDS, DEFAULT_BACKEND
 from fedsdk.errors import ConfigError
 from fedsdk.protocol.topics import validate_config_id
-from fedsdk.transport import parse_broker_url
+from fedsdk.transport import parse_broker_urls
 
 __all__ = [
+    "ENGINES",
     "KEY_MODES",
     "RESERVED_IDS",
     "BrokerSpec",
     "Fleet",
     "HESpec",
+    "NodeSpec",
     "fleet_from_mapping",
     "load_fleet",
 ]
 
 KEY_MODES = ("shared", "keyserver")
+ENGINES = ("mosquitto", "nats")
 #: Identities the provisioner issues itself; no device may take one of these ids.
-RESERVED_IDS = frozenset({"coordinator", "keyserver", "broker", "server", "ca"})
+RESERVED_IDS = frozenset({"coordinator", "keyserver", "broker", "server", "ca", "aggregator"})
 
 _DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
@@ -102,6 +111,25 @@ def _table(data: object, what: str, allowed: set[str]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class NodeSpec:
+    """One node of a broker cluster: its host, the MQTT port devices use, the NATS port aggregation workers
+    use and the port the nodes route to each other on (all TLS)."""
+
+    host: str
+    port: int
+    nats_port: int
+    cluster_port: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "port": self.port,
+            "nats_port": self.nats_port,
+            "cluster_port": self.cluster_port,
+        }
+
+
+@dataclass(frozen=True)
 class BrokerSpec:
     """Where the MQTT broker runs and how its listener is set up."""
 
@@ -111,6 +139,8 @@ class BrokerSpec:
     bind: str | None = None
     config_dir: str = "/etc/mosquitto/fedsdk"
     persistence_dir: str = "/var/lib/mosquitto/"
+    engine: str = "mosquitto"
+    nodes: tuple[NodeSpec, ...] = ()
 
     @property
     def dns_names(self) -> tuple[str, ...]:
@@ -122,11 +152,47 @@ class BrokerSpec:
 
     @property
     def broker_url(self) -> str:
-        """The URL every kit connects to: ``broker.url`` if given, else ``mqtts://<hosts[0]>:<port>``."""
+        """The URL every kit connects to: ``broker.url`` if given, else ``mqtts://<hosts[0]>:<port>``, or
+        every node's, comma-separated, for a cluster."""
         if self.url is not None:
             return self.url
-        host = self.hosts[0]
-        return f"mqtts://[{host}]:{self.port}" if ":" in host else f"mqtts://{host}:{self.port}"
+        if self.nodes:
+            return ",".join(_mqtts(n.host, n.port) for n in self.nodes)
+        return _mqtts(self.hosts[0], self.port)
+
+
+def _mqtts(host: str, port: int) -> str:
+    return f"mqtts://[{host}]:{port}" if ":" in host else f"mqtts://{host}:{port}"
+
+
+def _nodes(raw: object, host: str, port: int) -> tuple[NodeSpec, ...]:
+    """``broker.nodes``: a count (every node on ``host``, consecutive ports) or one table per node."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        count = _int(raw, "broker.nodes", 1, 64)
+        if port + count > 65536:
+            raise ConfigError(f"broker.nodes {count} from port {port} runs past 65535")
+        return tuple(NodeSpec(host, port + i, 4222 + i, 6222 + i) for i in range(count))
+    if not isinstance(raw, list | tuple) or not raw:
+        raise ConfigError("broker.nodes must be a node count or a non-empty list of node tables")
+    nodes = []
+    for i, item in enumerate(raw):
+        what = f"broker.nodes[{i}]"
+        t = _table(item, what, {"host", "port", "nats_port", "cluster_port"})
+        nodes.append(
+            NodeSpec(
+                _check_host(t.get("host", host), f"{what}.host"),
+                _int(t.get("port", port), f"{what}.port", 1, 65535),
+                _int(t.get("nats_port", 4222), f"{what}.nats_port", 1, 65535),
+                _int(t.get("cluster_port", 6222), f"{what}.cluster_port", 1, 65535),
+            )
+        )
+    seen: set[tuple[str, int]] = set()
+    for n in nodes:
+        for p in (n.port, n.nats_port, n.cluster_port):
+            if (n.host, p) in seen:
+                raise ConfigError(f"broker.nodes: port {p} on {n.host} is used twice")
+            seen.add((n.host, p))
+    return tuple(nodes)
 
 
 @dataclass(frozen=True)
@@ -170,6 +236,9 @@ class Fleet:
             broker["url"] = b.url
         if b.bind is not None:
             broker["bind"] = b.bind
+        if b.engine != "mosquitto":
+            broker["engine"] = b.engine
+            broker["nodes"] = [n.to_dict() for n in b.nodes]
         return {
             "federation": self.federation,
             "devices": list(self.devices),
@@ -222,7 +291,9 @@ def fleet_from_mapping(data: Mapping[str, Any]) -> Fleet:
     http_port = _int(coord.get("http_port", 8080), "coordinator.http_port", 1, 65535)
 
     b = _table(
-        top.get("broker", {}), "broker", {"hosts", "port", "url", "bind", "config_dir", "persistence_dir"}
+        top.get("broker", {}),
+        "broker",
+        {"hosts", "port", "url", "bind", "config_dir", "persistence_dir", "engine", "nodes"},
     )
     hosts_raw = b.get("hosts", [coordinator_host])
     if not isinstance(hosts_raw, list | tuple) or not hosts_raw:
@@ -230,14 +301,24 @@ def fleet_from_mapping(data: Mapping[str, Any]) -> Fleet:
     hosts = tuple(dict.fromkeys(_check_host(h, "broker.hosts") for h in hosts_raw))
     url = b.get("url")
     if url is not None:
-        if not isinstance(url, str) or not parse_broker_url(url).tls:
+        if not isinstance(url, str) or not parse_broker_urls(url)[0].tls:
             raise ConfigError(f"broker.url must be an mqtts:// URL (kits use TLS), got {url!r}")
     bind = b.get("bind")
     if bind is not None:
         bind = _check_host(bind, "broker.bind")
+    engine = b.get("engine", "mosquitto")
+    if engine not in ENGINES:
+        raise ConfigError(f"broker.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    port = _int(b.get("port", 8883), "broker.port", 1, 65535)
+    if engine == "mosquitto" and "nodes" in b:
+        raise ConfigError("broker.nodes is for a broker cluster: set broker.engine to nats, or drop nodes")
+    nodes = _nodes(b.get("nodes", 3), hosts[0], port) if engine == "nats" else ()
+    hosts = tuple(dict.fromkeys((*hosts, *(n.host for n in nodes))))  # every node's name in the certificate
     broker = BrokerSpec(
+        engine=engine,
+        nodes=nodes,
         hosts=hosts,
-        port=_int(b.get("port", 8883), "broker.port", 1, 65535),
+        port=port,
         url=url,
         bind=bind,
         config_dir=_absolute_dir(b.get("config_dir", "/etc/mosquitto/fedsdk"), "broker.config_dir").rstrip(

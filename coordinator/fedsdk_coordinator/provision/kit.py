@@ -33,8 +33,8 @@ def write_kit(
     """Write one kit; private files are created 0600 atomically (``fedsdk_coordinator.pki.write_private``)."""
     if role not in ROLES:
         raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
-    if role == "coordinator" and include_secret:
-        raise ConfigError("a coordinator kit never holds the secret HE key")
+    if role in ("coordinator", "aggregator") and include_secret:
+        raise ConfigError(f"a {role} kit never holds the secret HE key")
     d = Path(directory)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)  # a kit holds a private key: owner only
     write_public(d / "ca.pem", ca_cert_pem)

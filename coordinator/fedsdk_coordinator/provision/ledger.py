@@ -8,6 +8,7 @@ it, stays on the operator's machine. It holds no secret (serials, names, dates),
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 from collections.abc import Collection
@@ -15,12 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from fedsdk.errors import ConfigError
 from fedsdk_coordinator.pki import write_public
 from fedsdk_coordinator.provision.crl import Revocation
 
-__all__ = ["IssuedCert", "Ledger"]
+__all__ = ["IssuedCert", "Ledger", "spki_sha256"]
 
 _FORMAT = 1
 
@@ -39,10 +41,19 @@ class IssuedCert:
     not_after: str
     revoked_at: str | None = None
     reason: str | None = None
+    spki_sha256: str | None = None  # SHA-256 of the public key (NATS pins accepted client keys with it)
 
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+
+def spki_sha256(cert: x509.Certificate) -> str:
+    """Hex SHA-256 of the certificate's DER SubjectPublicKeyInfo: what NATS ``pinned_certs`` lists."""
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(spki).hexdigest()
 
 
 class Ledger:
@@ -81,7 +92,7 @@ class Ledger:
         cn = str(cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)[0].value)
         utc = getattr(cert, "not_valid_after_utc", None)
         not_after = utc if utc is not None else cert.not_valid_after.replace(tzinfo=dt.timezone.utc)
-        entry = IssuedCert(cn, role, cert.serial_number, _iso(not_after))
+        entry = IssuedCert(cn, role, cert.serial_number, _iso(not_after), spki_sha256=spki_sha256(cert))
         self.certs.append(entry)
         return entry
 

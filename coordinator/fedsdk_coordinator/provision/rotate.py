@@ -41,7 +41,7 @@ from fedsdk_coordinator.provision.build import (
 
 __all__ = ["ReissueReport", "RotateHEReport", "reissue", "rotate_he"]
 
-_SERVICES = ("broker", "coordinator", "keyserver")
+_SERVICES = ("broker", "coordinator", "keyserver", "aggregator")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,8 @@ def _reissue(fd: FleetDir, name: str) -> ReissueReport:
         return ReissueReport(fd.root, name, "device", (r.kit,), r.revoked)
     if name == "keyserver" and fleet.key_mode != "keyserver":
         raise ConfigError("this fleet runs in key mode shared: it has no key server")
+    if name == "aggregator" and fleet.broker.engine != "nats":
+        raise ConfigError("this fleet has one broker, not a NATS cluster: it has no aggregation workers")
     superseded = [c.serial for c in fd.ledger.active(name)]
     if name == "broker":
         b = fleet.broker
@@ -111,6 +113,7 @@ def _reissue(fd: FleetDir, name: str) -> ReissueReport:
             dns_names=b.dns_names,
             ip_addresses=b.ip_addresses,
             days=fleet.leaf_days,
+            client_too=b.engine == "nats",
         )
         cert_file, key_file = fd.root / "broker" / "server.pem", fd.root / "broker" / "server.key"
     else:

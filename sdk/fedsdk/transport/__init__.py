@@ -29,6 +29,7 @@ from fedsdk.transport.values import (
     certificate_identity,
     check_client_identity,
     parse_broker_url,
+    parse_broker_urls,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "max_frame_bytes",
     "max_packet_bytes",
     "parse_broker_url",
+    "parse_broker_urls",
 ]

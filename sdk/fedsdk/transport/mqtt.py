@@ -12,6 +12,9 @@ checks the arguments and the state, and retries the first connect.
 Decisions (no paper specifies the transport):
 
 * TLS is on by default; plain TCP needs ``insecure=True`` and logs a WARNING on every connect.
+* Several brokers (``fallbacks``, or a comma-separated URL list in :meth:`~MqttTransport.from_url`) are the
+  nodes of one broker cluster: the client connects to one, and when that fails or the link is lost it goes
+  on to the next (:mod:`fedsdk.transport.link`).
 * The first :meth:`~MqttTransport.connect` retries transient failures (refused, unreachable) within
   ``timeout`` and fails at once on definitive ones (TLS verification, a CONNACK refusal, the broker closing
   the connection before CONNACK, as mosquitto does with TLS 1.3 when the client certificate is missing or
@@ -25,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -35,7 +38,7 @@ from fedsdk.errors import ConfigError, ConnectError, StateError, TransportClosed
 from fedsdk.transport.link import AttemptFailed, PahoLink, State, jitter
 from fedsdk.transport.ratelimit import TokenBucket
 from fedsdk.transport.traffic import Traffic
-from fedsdk.transport.values import Message, TlsConfig, Will, check_topic, parse_broker_url
+from fedsdk.transport.values import Message, TlsConfig, Will, check_topic, parse_broker_urls
 
 __all__ = ["MqttTransport"]
 
@@ -74,13 +77,15 @@ class MqttTransport:
         incomplete_timeout: float = 120.0,
         max_queued_messages: int = 10_000,
         rate_limit_bytes_per_s: float | None = None,
+        fallbacks: Sequence[tuple[str, int]] = (),
     ) -> None:
         if tls is None and not insecure:
             raise ConfigError("TLS is required: pass tls=TlsConfig(...), or insecure=True for plain TCP")
         if tls is not None and insecure:
             raise ConfigError("insecure=True asks for plain TCP but tls was given; choose one")
-        if not host or not 0 < port < 65536:
-            raise ConfigError(f"bad broker address {host!r}:{port}")
+        for h, p in ((host, port), *fallbacks):
+            if not h or not 0 < p < 65536:
+                raise ConfigError(f"bad broker address {h!r}:{p}")
         if not client_id:
             raise ConfigError("client_id must not be empty")
         if timeout <= 0 or keepalive <= 0 or not 0 < reconnect_min <= reconnect_max:
@@ -89,10 +94,9 @@ class MqttTransport:
             raise ConfigError("chunk_size in 1..2**28, max_inflight >= 1, max_message_bytes >= 1 required")
         if will is not None:
             check_topic(will.topic, wildcards=False)
-        self.host, self.port, self.client_id = host, port, client_id
+        self.client_id = client_id
         self._link = PahoLink(
-            host,
-            port,
+            ((host, port), *fallbacks),
             client_id=client_id,
             tls=tls,
             keepalive=keepalive,
@@ -128,15 +132,28 @@ class MqttTransport:
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> MqttTransport:
-        """Build from ``mqtts://host:port`` (needs ``tls=``) or ``mqtt://host:port`` (``insecure=True``)."""
-        addr = parse_broker_url(url)
+        """Build from ``mqtts://host:port`` (needs ``tls=``) or ``mqtt://host:port`` (``insecure=True``); a
+        comma-separated list names the nodes of a broker cluster (tried in turn)."""
+        first, *more = parse_broker_urls(url)
+        addr = first
         if addr.tls and kw.get("tls") is None:
             raise ConfigError(f"{addr.url} uses TLS: pass tls=TlsConfig(...)")
         if not addr.tls and kw.get("tls") is not None:
             raise ConfigError(f"{addr.url} is plain TCP but tls was given; use mqtts://")
         if not addr.tls and not kw.get("insecure"):
             raise ConfigError(f"{addr.url} is plain TCP: pass insecure=True to allow it")
+        if more:
+            kw["fallbacks"] = [(a.host, a.port) for a in more]
         return cls(addr.host, addr.port, **kw)
+
+    @property
+    def host(self) -> str:
+        """The broker node the transport is connected to, or tries next."""
+        return self._link.host
+
+    @property
+    def port(self) -> int:
+        return self._link.port
 
     def __repr__(self) -> str:
         scheme = "mqtts" if self._tls else "mqtt"
@@ -231,15 +248,18 @@ class MqttTransport:
                     if exc.permanent or loop.time() + pause >= deadline:
                         hint = f" (tried for {wait:.0f} s: is the broker running there?)"
                         hint = "" if exc.permanent else hint
-                        raise ConnectError(
-                            f"cannot connect to {self.host}:{self.port}: {exc.reason}{hint}"
-                        ) from exc
-                    if delay == self._reconnect_min:
-                        progress.info("waiting for the broker at %s:%d (%s), up to %.0f s", self.host,
-                                      self.port, exc.reason, wait)  # fmt: skip
+                        others = len(link.addresses) - 1
+                        where = f"{self.host}:{self.port}" + (
+                            f" (and {others} other nodes)" if others else ""
+                        )
+                        raise ConnectError(f"cannot connect to {where}: {exc.reason}{hint}") from exc
                     log.info("connect to %s:%d failed (%s), retrying", self.host, self.port, exc.reason)
-                    await asyncio.sleep(pause)
-                    delay = min(delay * 2, self._reconnect_max)
+                    if link.next_node():  # every node tried once more: say so once, then back off
+                        if delay == self._reconnect_min:
+                            progress.info("waiting for the broker at %s:%d (%s), up to %.0f s", self.host,
+                                          self.port, exc.reason, wait)  # fmt: skip
+                        await asyncio.sleep(pause)
+                        delay = min(delay * 2, self._reconnect_max)
                 if link.state is State.CLOSED:
                     raise TransportClosed("transport closed while connecting")
         except BaseException:

@@ -1,4 +1,5 @@
-"""The transport's value types: where the broker is (:class:`BrokerAddress`, :func:`parse_broker_url`), the
+"""The transport's value types: where the broker is (:class:`BrokerAddress`, :func:`parse_broker_url`,
+:func:`parse_broker_urls` for the nodes of a broker cluster), the
 TLS files that reach it (:class:`TlsConfig`) and the identity its client certificate carries
 (:func:`certificate_identity`, :func:`check_client_identity`), the Will it publishes for us, the
 :class:`Message` it hands us, and the topics it accepts (:func:`check_topic`)."""
@@ -20,6 +21,7 @@ __all__ = [
     "check_client_identity",
     "check_topic",
     "parse_broker_url",
+    "parse_broker_urls",
 ]
 
 _DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
@@ -43,6 +45,8 @@ class BrokerAddress:
 def parse_broker_url(url: str) -> BrokerAddress:
     """Parse ``mqtt://host[:1883]`` or ``mqtts://host[:8883]``. Credentials, paths and queries are refused
     (credentials in a URL end up in logs and shell history)."""
+    if "," in url:
+        raise ConfigError(f"{url!r} names several brokers; this setting takes one URL")
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -60,6 +64,21 @@ def parse_broker_url(url: str) -> BrokerAddress:
     if port == 0:
         raise ConfigError(f"bad broker URL {url!r}: port 0")
     return BrokerAddress(scheme, parts.hostname, port or _DEFAULT_PORTS[scheme], scheme == "mqtts")
+
+
+def parse_broker_urls(urls: str) -> tuple[BrokerAddress, ...]:
+    """Parse one broker URL or several, comma-separated: the nodes of one broker cluster, which a client
+    tries in turn (``mqtts://n1:8883,mqtts://n2:8883``). All use the same scheme (a TLS client never falls
+    back to plain TCP) and none appears twice."""
+    parts = [u.strip() for u in urls.split(",")]
+    if not urls.strip() or any(not u for u in parts):
+        raise ConfigError(f"bad broker URL list {urls!r}: give URLs separated by commas, none empty")
+    addresses = tuple(parse_broker_url(u) for u in parts)
+    if len({a.scheme for a in addresses}) > 1:
+        raise ConfigError(f"bad broker URL list {urls!r}: mixes mqtt:// and mqtts://; use one scheme")
+    if len({(a.host, a.port) for a in addresses}) < len(addresses):
+        raise ConfigError(f"bad broker URL list {urls!r}: a broker appears twice")
+    return addresses
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from fedsdk.crypto import (
 )
 from fedsdk.crypto.running import RunningSum
 from fedsdk.errors import CryptoError, EncodingError
+from fedsdk.secagg.ring import ModRing
 
 CLIP = 0.5
 FIXED = FixedPoint(clip=CLIP, frac_bits=13, max_weight=1000, max_devices=64, max_total_weight=None)
@@ -129,3 +130,87 @@ def test_finish_needs_exactly_the_senders_added(pair: tuple[HEBackend, HEBackend
         with pytest.raises(CryptoError):
             running.finish(order)
     assert running.finish(["a"]).n_devices == 1
+
+
+def _split_and_absorb(
+    coordinator: HEBackend,
+    contributions: list[Contribution],
+    keys: list[str],
+    owners: list[int],
+    masked: bool,
+) -> RunningSum:
+    """Each contribution summed by the worker ``owners[i]`` in a light sum (``keep=False``), the workers'
+    partial sums exported and absorbed, in reverse order, by a sum that holds none of them."""
+    workers: dict[int, RunningSum] = {}
+    for key, c, w in zip(keys, contributions, owners, strict=True):
+        workers.setdefault(w, RunningSum(coordinator, c.n_values, masked=masked, keep=False)).add(key, c)
+    total = RunningSum(coordinator, contributions[0].n_values, masked=masked)
+    for w in sorted(workers, reverse=True):
+        assert sorted(total.absorb(workers[w].export())) == sorted(workers[w].keys)
+    return total
+
+
+@PROPERTY
+@given(
+    group=groups(clip=CLIP, pack_size=35, max_packs=3, max_weight=1000, max_devices=12),
+    data=st.data(),
+)
+def test_partial_sums_of_any_split_give_the_aggregate(
+    pair: tuple[HEBackend, HEBackend], group: Group, data: st.DataObject
+) -> None:
+    device, coordinator = pair
+    contributions = _contributions(device, group)
+    keys = [f"dev-{i:02d}" for i in range(len(contributions))]
+    owners = data.draw(st.lists(st.integers(0, 3), min_size=len(keys), max_size=len(keys)))
+    total = _split_and_absorb(coordinator, contributions, keys, owners, masked=False)
+    _same(total.finish(keys), coordinator.aggregate(contributions))
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 80), devices=st.integers(1, 6), data=st.data())
+def test_masked_partial_sums_give_the_aggregate(
+    pair: tuple[HEBackend, HEBackend], seed: int, n: int, devices: int, data: st.DataObject
+) -> None:
+    """Under secure aggregation: the pairwise masks (here a ring of seeds, +own −next) cancel in a sum of
+    partial sums too."""
+    device, coordinator = pair
+    rng = np.random.default_rng(seed)
+    count = coordinator.num_packs(n)
+    ring = ModRing(int(device.keys.n))  # type: ignore[attr-defined]
+    seeds = [rng.bytes(32) for _ in range(devices)]
+    blinds = [ring.expand_sum([(seeds[j], 1), (seeds[(j + 1) % devices], -1)], count) for j in range(devices)]
+    contributions = [
+        device.encrypt_update(
+            rng.uniform(-CLIP, CLIP, n), int(rng.integers(1, 50)), rng.random(count) < 0.5, b
+        )[0]
+        for b in blinds
+    ]
+    correction = [0] * count
+    keys = [f"d{i}" for i in range(devices)]
+    owners = data.draw(st.lists(st.integers(0, 2), min_size=devices, max_size=devices))
+    total = _split_and_absorb(coordinator, contributions, keys, owners, masked=True)
+    _same(total.finish(keys, correction), coordinator.aggregate(contributions, correction))
+
+
+def test_a_partial_sum_is_refused_when_it_overlaps_or_is_torn(pair: tuple[HEBackend, HEBackend]) -> None:
+    device, coordinator = pair
+    rng = np.random.default_rng(5)
+    cs = [device.encrypt_update(rng.uniform(-CLIP, CLIP, 100), 2, rng.random(3) < 0.5)[0] for _ in range(3)]
+    part = RunningSum(coordinator, 100, keep=False)
+    part.add("a", cs[0])
+    part.add("b", cs[1])
+    blob = part.export()
+    total = RunningSum(coordinator, 100)
+    total.add("b", cs[1])
+    with pytest.raises(CryptoError, match="overlaps"):
+        total.absorb(blob)
+    with pytest.raises(CryptoError, match="unusable"):
+        total.absorb(blob[:-3])
+    with pytest.raises(CryptoError, match="unusable"):
+        total.absorb(b"FSPS1" + blob[5:9] + b"{}" + blob[11:])
+    total.add("c", cs[2])
+    assert sorted(total.keys) == ["b", "c"]  # nothing of the refused partials was added
+    other = RunningSum(coordinator, 100)
+    assert other.absorb(blob) == ["a", "b"]
+    other.add("c", cs[2])
+    _same(other.finish(["a", "b", "c"]), coordinator.aggregate(cs))
