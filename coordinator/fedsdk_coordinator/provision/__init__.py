@@ -17,6 +17,7 @@ from fedsdk_coordinator.provision.build import (
     RevokeReport,
     add_device,
     provision,
+    register_devices,
     revoke_device,
 )
 from fedsdk_coordinator.provision.bundle import PLATFORMS, add_bundle_to_kit, build_bundle
@@ -72,6 +73,7 @@ __all__ = [
     "load_kit",
     "provision",
     "read_he",
+    "register_devices",
     "reissue",
     "render_acl",
     "render_in_place_conf",

@@ -39,6 +39,7 @@ OPERATOR_COMMANDS = {
     "demo": "run a federation of local device processes",
     "provision": "make a fleet's CA, broker config, HE keys and kits",
     "audit": "attack this device's own update and measure protection",
+    "cluster": "run a fleet's NATS broker cluster and aggregation workers",
 }
 COORDINATOR_EXTRA = "pip install 'fedsdk[coordinator]'"
 

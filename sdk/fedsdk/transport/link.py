@@ -62,12 +62,16 @@ class State(Enum):
 
 
 class AttemptFailed(Exception):
-    """A connection attempt failed; ``permanent`` when another attempt cannot help."""
+    """A connection attempt failed; ``permanent`` when another attempt cannot help. ``ambiguous``: the broker
+    closed the connection before its CONNACK, which a refused certificate causes, and also a cluster node
+    that cannot take sessions for a moment (a NATS node electing its session store's leader after another
+    node died refuses MQTT connections for about 10 s, measured)."""
 
-    def __init__(self, reason: str, *, permanent: bool) -> None:
+    def __init__(self, reason: str, *, permanent: bool, ambiguous: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.permanent = permanent
+        self.ambiguous = ambiguous
 
 
 class LinkLost(Exception):
@@ -285,10 +289,16 @@ class PahoLink:
             while True:
                 pause = jitter(delay)
                 await asyncio.sleep(pause)
+                if self.state is State.CLOSED:
+                    return
                 try:
                     await self.attempt(self.loop.time() + self._timeout)
                     break
                 except AttemptFailed as exc:
+                    if self.state is State.CLOSED:
+                        # close() abandoned this attempt and then cancelled us; on Python < 3.12 wait_for()
+                        # returns the attempt's failure instead of the cancellation when both land at once
+                        return
                     log.warning("reconnect to %s:%d failed: %s", self.host, self.port, exc.reason)
                     if self.next_node():
                         delay = min(delay * 2, self._reconnect_max)
@@ -400,7 +410,7 @@ class PahoLink:
         if self._connack is not None and not self._connack.done():
             hint = "; with TLS this usually means our client certificate was refused" if self._tls else ""
             why = f"broker closed the connection before CONNACK ({detail}{hint})"
-            self._connack.set_exception(AttemptFailed(why, permanent=True))
+            self._connack.set_exception(AttemptFailed(why, permanent=True, ambiguous=True))
             self._connack.exception()
         was_up = self._link_up
         self._link_up = self.connected = False

@@ -245,9 +245,12 @@ class MqttTransport:
                     if link.state is State.CLOSED:
                         raise TransportClosed("transport closed while connecting") from exc
                     pause = jitter(delay)
-                    if exc.permanent or loop.time() + pause >= deadline:
+                    # with several nodes a connection closed before CONNACK is retried until the deadline:
+                    # a node may refuse sessions for a moment after another died (link.AttemptFailed)
+                    permanent = exc.permanent and not (exc.ambiguous and len(link.addresses) > 1)
+                    if permanent or loop.time() + pause >= deadline:
                         hint = f" (tried for {wait:.0f} s: is the broker running there?)"
-                        hint = "" if exc.permanent else hint
+                        hint = "" if permanent else hint
                         others = len(link.addresses) - 1
                         where = f"{self.host}:{self.port}" + (
                             f" (and {others} other nodes)" if others else ""

@@ -1,0 +1,129 @@
+"""The coordinator's side of the aggregation workers: asks them for a round's partial sums, counts each
+sender once and combines the partials (:class:`~.partial.Combined`).
+
+:meth:`PartialCollector.collect` publishes ``fl.<fed>.agg.flush`` for the (round, cluster) every
+``interval`` seconds until the partials received cover every expected sender (or the deadline passes),
+answering each partial request on ``fl.<fed>.agg.partial`` with ``{"ok": true}`` once it is counted, or a
+refusal that names the senders already counted (the worker acknowledges those and has the broker deliver
+the others again). Then it publishes ``fl.<fed>.agg.closed``: the workers drop what they still hold of the
+round. The coordinator stays the one planner: it decides which senders a round expects and when to stop
+waiting, as it does when it receives the updates itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedsdk.crypto import HEBackend
+from fedsdk.errors import ValidationError
+from fedsdk_coordinator.scale.partial import Combined, Overlap
+from fedsdk_coordinator.scale.worker import agg_subject
+
+__all__ = ["Collected", "PartialCollector"]
+
+log = logging.getLogger("fedsdk_coordinator.scale")
+
+
+@dataclass
+class Collected:
+    """A round's combined sum and how it came together."""
+
+    combined: Combined
+    seconds: float
+    flushes: int
+    refused: int
+    workers: dict[str, int] = field(default_factory=dict)  # senders counted per worker
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    missing: set[str] = field(default_factory=set)
+
+
+class PartialCollector:
+    """Collects partial sums over the coordinator's NATS connection ``nc`` (module docstring)."""
+
+    def __init__(self, nc: Any, federation: str, he: HEBackend | None, n_values: int) -> None:
+        self.nc, self.federation, self.he, self.n_values = nc, federation, he, n_values
+        self._open: dict[tuple[int, int], tuple[Combined, set[str] | None, asyncio.Event, Collected]] = {}
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(agg_subject(self.federation, "partial"), cb=self._on_partial)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def collect(
+        self,
+        round_id: int,
+        cluster_id: int,
+        expected: set[str] | None,
+        *,
+        count: int | None = None,
+        deadline_s: float = 600.0,
+        interval: float = 0.5,
+    ) -> Collected:
+        """The combined sum of the round's partials once they cover ``expected`` (or ``count`` senders when
+        no set is given), or whatever arrived by ``deadline_s`` (``missing`` then says who is not in it)."""
+        key = (round_id, cluster_id)
+        combined = Combined(round_id, cluster_id, self.he, self.n_values)
+        done = asyncio.Event()
+        out = Collected(combined, 0.0, 0, 0)
+        self._open[key] = (combined, expected, done, out)
+        want = len(expected) if expected is not None else int(count or 0)
+        t0 = time.monotonic()
+        flush = json.dumps({"round_id": round_id, "cluster_id": cluster_id}).encode()
+        try:
+            while sum(out.workers.values()) < want and time.monotonic() - t0 < deadline_s:
+                await self.nc.publish(agg_subject(self.federation, "flush"), flush)
+                out.flushes += 1
+                try:
+                    await asyncio.wait_for(done.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass
+                done.clear()
+        finally:
+            self._open.pop(key, None)
+            await self.nc.publish(agg_subject(self.federation, "closed"), flush)
+        out.seconds = time.monotonic() - t0
+        out.missing = (expected or set()) - set(combined.samples)
+        return out
+
+    async def _on_partial(self, msg: Any) -> None:
+        """Count one partial, or refuse it (module docstring); always answer."""
+        verdict: dict[str, Any]
+        try:
+            data = bytes(msg.data)
+            head = json.loads(data[9 : 9 + int.from_bytes(data[5:9], "little")])
+            key = (int(head["round_id"]), int(head["cluster_id"]))
+        except (ValueError, KeyError, TypeError):
+            await msg.respond(json.dumps({"ok": False, "reason": "malformed"}).encode())
+            return
+        entry = self._open.get(key)
+        if entry is None:
+            verdict = {"ok": False, "closed": True, "reason": f"round {key[0]} is not being collected"}
+        else:
+            combined, expected, done, out = entry
+            try:
+                loop = asyncio.get_running_loop()
+                header = await loop.run_in_executor(None, combined.absorb, data, expected)
+                out.workers[header.worker] = out.workers.get(header.worker, 0) + len(header.samples)
+                verdict = {"ok": True}
+                done.set()
+            except Overlap as exc:
+                out.refused += 1
+                verdict = {"ok": False, "counted": exc.senders, "reason": "already counted"}
+            except ValidationError as exc:
+                out.refused += 1
+                log.warning("round %d: a partial sum refused: %s", key[0], exc)
+                stray = sorted(set(head.get("samples", {})) - (expected or set())) if expected else []
+                verdict = {"ok": False, "counted": stray, "reason": str(exc)}
+        await msg.respond(json.dumps(verdict).encode())
