@@ -384,3 +384,89 @@ class Recorder:
         with contextlib.suppress(TransportError):
             async for m in self.t.messages():
                 self.got.append(m)
+
+
+# ---------------------------------------------------------------------------------------------- NATS
+def provision_loopback_cluster(
+    root: Path,
+    nodes: list[tuple[int, int, int]],
+    *,
+    federation: str,
+    devices: list[str],
+    key_mode: str,
+    hosts: tuple[str, ...] = ("127.0.0.1",),
+) -> None:
+    """``fedsdk provision`` of a test fleet whose broker is a NATS cluster on loopback: one node per
+    ``(mqtt port, nats port, route port)`` of ``nodes``, its files in ``root/broker/nats``."""
+    from fedsdk_coordinator.provision import fleet_from_mapping, provision
+
+    fleet = {
+        "federation": federation,
+        "devices": devices,
+        "coordinator": {"host": "127.0.0.1"},
+        "broker": {
+            "hosts": list(hosts),
+            "engine": "nats",
+            "bind": "127.0.0.1",
+            "nodes": [
+                {"host": "127.0.0.1", "port": p, "nats_port": q, "cluster_port": r} for p, q, r in nodes
+            ],
+        },
+        "key_mode": key_mode,
+        "he": {"backend": "packed", "options": {"key_bits": 1024}},
+    }
+    provision(fleet_from_mapping(fleet), root)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (each may still be taken before a broker binds it)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class NatsClusterBroker:
+    """The NATS cluster of a fleet folder (``fedsdk_coordinator.scale.nodes.NatsCluster``) as one test broker:
+    :meth:`start` (raises :class:`BrokerStartError` with the failing node's log), :meth:`stop`,
+    :meth:`log_text` (every node's log, each headed by its number) and ``nodes``."""
+
+    def __init__(self, root: Path) -> None:
+        from fedsdk_coordinator.scale.nodes import NatsCluster
+
+        self.cluster = NatsCluster(root)
+
+    @property
+    def nodes(self) -> list[Any]:
+        return list(self.cluster.nodes)
+
+    def start(self, timeout: float = 30.0) -> None:
+        from fedsdk.errors import ConfigError
+
+        try:
+            self.cluster.start(timeout)
+        except ConfigError as exc:
+            raise BrokerStartError(str(exc)) from exc
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+    def reload(self) -> None:
+        self.cluster.reload()
+
+    def log_text(self) -> str:
+        return "\n".join(f"--- node {n.index}\n{n.log_text()}" for n in self.cluster.nodes)
+
+
+def require_nats_server() -> None:
+    """Skip a NATS test where nats-server is missing; in CI (``CI`` set), fail instead."""
+    import pytest
+
+    from fedsdk_coordinator.scale.nodes import CLUSTER_EXTRA, find_nats_server
+
+    if find_nats_server() is None:
+        ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+        message = f"nats-server is not installed ({CLUSTER_EXTRA})"
+        pytest.fail(f"CI is set and {message}", pytrace=False) if ci else pytest.skip(message)

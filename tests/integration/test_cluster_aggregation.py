@@ -189,8 +189,8 @@ def test_masked_plaintext_sums_equal_one_process_and_late_partials_are_dropped(
         try:
             await _publish(root, cluster, payloads, DEVICES)
             got = await collector.collect(2, 0, set(DEVICES), deadline_s=60)
-            assert not got.missing and got.combined._codes is not None
-            assert np.array_equal(got.combined._codes, total)  # the same codes as one process's sum
+            assert not got.missing and got.combined.codes is not None
+            assert np.array_equal(got.combined.codes, total)  # the same codes as one process's sum
             assert sum(got.workers.values()) == len(DEVICES)
             # a round the coordinator closed: an update for it now is dropped, never counted anywhere
             late = await collector.collect(2, 0, set(DEVICES), deadline_s=1.5)

@@ -37,6 +37,10 @@ def add_parser(sub: Any) -> None:
     )
     up.add_argument("--workers", type=int, default=4, metavar="N", help="aggregation workers (default 4)")
     up.add_argument("--timeout", type=float, default=None, metavar="S", help="stop after S seconds")
+    up.add_argument(
+        "--no-restart", action="store_true",
+        help="leave a node that dies down (default: start it again after 2 s; the others carry on meanwhile)",
+    )  # fmt: skip
     up.set_defaults(func=run_up)
     w = verbs.add_parser("worker", help="one aggregation worker")
     w.add_argument("--kit", required=True, metavar="DIR", help="the fleet's aggregator kit")
@@ -102,8 +106,8 @@ def run_up(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         cluster.start()
         progress.info(
-            "cluster of %d nodes up in %.1f s; devices connect to %s", len(cluster.nodes),
-            time.monotonic() - t0, cluster.mqtt_urls,
+            "cluster of %d nodes up in %.1f s (pids %s); devices connect to %s", len(cluster.nodes),
+            time.monotonic() - t0, ", ".join(str(n.pid) for n in cluster.nodes), cluster.mqtt_urls,
         )  # fmt: skip
         try:
             if args.workers:
@@ -127,11 +131,22 @@ def run_up(args: argparse.Namespace) -> int:
             progress.info("%d aggregation workers started (pids %s); Ctrl-C stops everything", len(procs),
                           ", ".join(str(p.pid) for p in procs))  # fmt: skip
             deadline = None if args.timeout is None else time.monotonic() + args.timeout
+            down: dict[int, float] = {}
             while deadline is None or time.monotonic() < deadline:
-                dead = [n.index for n in cluster.nodes if not n.running]
-                if dead:
-                    log.warning("node(s) %s stopped; see %s", dead, cluster.nodes[dead[0] - 1].log)
-                    return 1
+                for n in cluster.nodes:
+                    if n.running or (n.index in down and args.no_restart):
+                        continue
+                    if n.index not in down:
+                        down[n.index] = time.monotonic()
+                        log.warning("node %d stopped (see %s); the other nodes carry on", n.index, n.log)
+                    elif time.monotonic() - down[n.index] > 2.0:
+                        n.start()
+                        del down[n.index]
+                        progress.info("node %d started again (pid %s)", n.index, n.pid)
+                alive = [p for p in procs if p.poll() is None]
+                if len(alive) < len(procs):
+                    log.warning("%d aggregation worker(s) stopped", len(procs) - len(alive))
+                    procs[:] = alive
                 time.sleep(0.5)
         except KeyboardInterrupt:
             progress.info("stopping the workers and the nodes")

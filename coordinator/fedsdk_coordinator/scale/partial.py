@@ -206,6 +206,11 @@ class Combined:
         self.partials += 1
         return header
 
+    @property
+    def codes(self) -> np.ndarray | None:
+        """Masked plaintext: the sum of the codes so far (modulo 2^16 or 2^32), before any correction."""
+        return None if self._codes is None else self._codes.copy()
+
     def finish_he(self, correction: Any = None) -> Aggregate:
         """The HE aggregate, senders in sorted order (as the single-process coordinator orders them)."""
         if self._running is None:
