@@ -12,7 +12,9 @@ checks. Decisions:
   key identifiers, and a random 159-bit serial.
 * Client certificates also carry a SPIFFE-style URI SAN ``spiffe://fedsdk.local/device/<client id>``
   (RFC 5280 profiles require a SAN in every leaf; this form is what amqtt's ``UserAuthCertPlugin`` matches
-  against the MQTT client id; that plugin needs SQLAlchemy, tests/brokers.py has a small CN-based one).
+  against the MQTT client id; that plugin needs SQLAlchemy, tests/brokers.py has a small CN-based one),
+  and ``urn:fedsdk:cert:<serial in hex>``: one name per certificate, which a NATS broker cluster maps to
+  its user (``provision.nats``), so that revoking one certificate of an id leaves a newer one working.
 * Client ids become CNs and MQTT usernames and topic levels, so they are restricted to
   ``[A-Za-z0-9._-]{1,64}`` (64 is X.520's upper bound on a CN): no ``/``, ``+``, ``#`` that would break an
   ACL pattern.
@@ -67,6 +69,7 @@ __all__ = [
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _RESERVED = {"ca", "server"}
+CERT_URN = "urn:fedsdk:cert:"  # + the serial in hex: a client certificate's own name
 SPIFFE_DOMAIN = "fedsdk.local"
 
 
@@ -172,6 +175,7 @@ def issue_cert(
         raise ConfigError("the CA key must be an EC key")
     key = _new_key()
     start, end = _validity(days)
+    serial = x509.random_serial_number()
     ekus = [ExtendedKeyUsageOID.SERVER_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
     if server and client_too:
         ekus.append(ExtendedKeyUsageOID.CLIENT_AUTH)
@@ -180,7 +184,7 @@ def issue_cert(
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
+        .serial_number(serial)
         .not_valid_before(start)
         .not_valid_after(min(end, _not_after(ca_cert)))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -207,6 +211,7 @@ def issue_cert(
     sans: list[x509.GeneralName] = []
     if not server:
         sans.append(x509.UniformResourceIdentifier(f"spiffe://{SPIFFE_DOMAIN}/device/{common_name}"))
+        sans.append(x509.UniformResourceIdentifier(f"{CERT_URN}{serial:x}"))
     sans += [x509.DNSName(n) for n in dns_names]
     sans += [x509.IPAddress(ip) for ip in ips]
     if sans:

@@ -11,11 +11,11 @@ unchanged (``fedsdk_coordinator.scale.nodes.NatsCluster``). Every client is a
 :class:`fedsdk.transport.MqttTransport` with a kit's TLS settings; on the cluster the kits' URL lists lead to
 node 1, and the ACL tests put the rogue device and its victims on different nodes.
 
-Where NATS differs from mosquitto, the test says so in a ``nats`` branch. Two differences are unsafe; their
-tests assert the safe behaviour and are marked ``xfail(strict=True)`` for ``nats`` only: NATS binds no MQTT
-client id to the certificate, so a device connecting with the id ``coordinator`` (on any node) disconnects
-the coordinator (:data:`NATS_TAKEOVER`); and a SIGHUP cannot apply a revocation, because nats-server refuses
-to reload the changed ``pinned_certs`` of its ``mqtt`` block (:data:`NATS_RELOAD`). The tests named
+Where NATS differs from mosquitto, the test says so in a ``nats`` branch. Two differences were unsafe and
+are closed by fedsdk, their tests show how: NATS binds no MQTT client id to the certificate, so a device
+connecting with the coordinator's client id disconnected it; on a cluster every fedsdk client connects
+under its id plus a random suffix nobody else knows (``fedsdk.transport.mqtt``). And a revocation must
+apply on SIGHUP: each valid certificate is its own NATS user (``provision.nats``). The tests named
 ``test_nats_…`` check what only the cluster has: retained broadcasts across nodes, the 8 MiB
 ``max_payload``, failover to another node, ``$SYS`` and the internal subjects, and the NATS-protocol port
 kept for the aggregation workers.
@@ -61,7 +61,7 @@ from fedsdk.errors import ConnectError, TransportError
 from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.transport import Message, MqttTransport, TlsConfig
 from fedsdk_coordinator.pki import make_dev_pki
-from fedsdk_coordinator.provision import Kit, load_kit, revoke_device
+from fedsdk_coordinator.provision import Kit, add_device, load_kit, revoke_device
 from fedsdk_coordinator.provision.nats import MAX_PAYLOAD
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
@@ -226,12 +226,6 @@ async def serving(fb: FleetBroker, index: int, timeout: float = 30.0) -> None:
             await asyncio.sleep(0.2)
 
 
-def unsafe_on_nats(request: pytest.FixtureRequest, fb: FleetBroker, reason: str) -> None:
-    """The test asserts the safe behaviour, which the NATS cluster does not have (yet): strict xfail there."""
-    if fb.kind == "nats":
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
-
-
 def nats_only(fb: FleetBroker) -> None:
     if fb.kind != "nats":
         pytest.skip(f"only a NATS cluster has this; {fb.kind} is one broker")
@@ -305,24 +299,18 @@ async def test_devices_cannot_publish_outside_their_own_subtree(fb: FleetBroker)
         assert b"keyserver task" not in [m.payload for m in b.got]
 
 
-NATS_TAKEOVER = (
-    "NATS binds no MQTT client id to the certificate: a device connecting with the client id 'coordinator' "
-    "(on any node) replaces the coordinator's connection, and the two then take the id from each other"
-)
-
-
-async def test_a_device_cannot_take_over_the_coordinators_session(
-    fb: FleetBroker, request: pytest.FixtureRequest
-) -> None:
-    unsafe_on_nats(request, fb, NATS_TAKEOVER)
+async def test_a_device_cannot_take_over_the_coordinators_session(fb: FleetBroker) -> None:
     async with connect(fb.kit("coordinator")) as coord:
         await coord.t.subscribe(topic("up", "+", "+"))
         if fb.kind == "nats":
-            # the safe behaviours would be mosquitto's (a session of a's own) or the embedded broker's
-            # (refused); either way the coordinator keeps its link. The device is on another node.
+            # NATS would let a device with the client id 'coordinator' replace the coordinator's connection;
+            # the coordinator's MQTT client id is 'coordinator-<random>' (its kit lists several nodes), so a
+            # device asking for 'coordinator' (on another node, one URL: no suffix) gets a session of its own
+            assert coord.t.session_id.startswith("coordinator-") and coord.t.session_id != "coordinator"
             thief = MqttTransport.from_url(
                 str(fb.node(2)), client_id="coordinator", tls=fb.kit("a").tls, timeout=5
             )
+            assert thief.session_id == "coordinator"
             with contextlib.suppress(TransportError):  # refused, or pushed out again by the coordinator
                 async with thief:
                     await thief.publish(topic("up", "a", "update"), b"from a")
@@ -706,19 +694,38 @@ async def test_nats_only_the_aggregator_uses_the_nats_protocol_port(fb: FleetBro
             pass
 
 
+async def test_nats_a_reissued_devices_old_certificate_is_refused_its_new_one_works(
+    fb: FleetBroker, tmp_path: Path
+) -> None:
+    """Each certificate is its own NATS user: after a reissue and a reload the old certificate of the id is
+    refused (a CN-mapped user would still take it) and the new one connects, with the same rights."""
+    nats_only(fb)
+    old = tmp_path / "a-old"
+    shutil.copytree(fb.root / "devices" / "a", old)
+    add_device(fb.root, "a", force=True)  # a new key and certificate; the old one revoked as superseded
+    cluster = fb.cluster
+    before = [_reloads(n.log_text()) for n in cluster.nodes]
+    cluster.reload()
+    for _ in range(100):
+        if all(_reloads(n.log_text()) > k for n, k in zip(cluster.nodes, before, strict=True)):
+            break
+        await asyncio.sleep(0.05)
+    assert not [line for line in cluster.log_text().splitlines() if "Failed to reload" in line]
+    for index in (1, 2, 3):
+        with pytest.raises(ConnectError):
+            async with connect(load_kit(old), url=fb.node(index)):
+                pass
+    async with connect(fb.kit("coordinator"), url=fb.node(2)) as coord, connect(fb.kit("a")) as a:
+        await coord.t.subscribe(topic("up", "+", "+"))
+        await a.t.publish(topic("up", "a", "hello"), b"new certificate")
+        await coord.wait_for(lambda m: m.payload == b"new certificate")
+
+
 def _reloads(log: str) -> int:
     return log.count("Reloaded server configuration") + log.count("Failed to reload server configuration")
 
 
-NATS_RELOAD = (
-    "nats-server cannot reload an mqtt block whose tls pinned_certs changed ('config reload not supported "
-    "for MQTT'); the whole reload fails, so the revoked device keeps its user and its pin until a restart"
-)
-
-
-async def test_a_revoked_device_is_refused_after_reload(
-    fb: FleetBroker, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+async def test_a_revoked_device_is_refused_after_reload(fb: FleetBroker, tmp_path: Path) -> None:
     kept = tmp_path / "c-kit"
     shutil.copytree(fb.root / "devices" / "c", kept)  # the device still has its kit
     stolen = load_kit(kept)
@@ -726,10 +733,9 @@ async def test_a_revoked_device_is_refused_after_reload(
         assert c.t.connected
     revoke_device(fb.root, "c")
     if fb.kind == "nats":
-        # revoke_device rewrote fleet.conf (c's user and its pinned key are gone); SIGHUP every node
+        # revoke_device rewrote fleet.conf (the user of c's certificate is gone); SIGHUP every node
         cluster = fb.cluster
         before = [_reloads(n.log_text()) for n in cluster.nodes]
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=NATS_RELOAD))
         cluster.reload()
         for _ in range(100):
             if all(_reloads(n.log_text()) > k for n, k in zip(cluster.nodes, before, strict=True)):

@@ -81,7 +81,8 @@ def test_certificate_contents(dev_pki: DevPki) -> None:
         assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
         uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert uris.get_values_for_type(x509.UniformResourceIdentifier) == [
-            f"spiffe://{SPIFFE_DOMAIN}/device/{cid}"
+            f"spiffe://{SPIFFE_DOMAIN}/device/{cid}",
+            f"urn:fedsdk:cert:{cert.serial_number:x}",  # its own name (a NATS cluster's user)
         ]
         assert isinstance(cert.public_key(), ec.EllipticCurvePublicKey)
         assert cert.public_key().curve.name == "secp256r1"

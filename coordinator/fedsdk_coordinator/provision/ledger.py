@@ -8,7 +8,6 @@ it, stays on the operator's machine. It holds no secret (serials, names, dates),
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 from collections.abc import Collection
@@ -16,13 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 from fedsdk.errors import ConfigError
 from fedsdk_coordinator.pki import write_public
 from fedsdk_coordinator.provision.crl import Revocation
 
-__all__ = ["IssuedCert", "Ledger", "spki_sha256"]
+__all__ = ["IssuedCert", "Ledger", "nats_user"]
 
 _FORMAT = 1
 
@@ -41,19 +39,24 @@ class IssuedCert:
     not_after: str
     revoked_at: str | None = None
     reason: str | None = None
-    spki_sha256: str | None = None  # SHA-256 of the public key (NATS pins accepted client keys with it)
+    nats_user: str | None = None  # the user a NATS cluster maps the certificate to (provision.nats)
 
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
 
 
-def spki_sha256(cert: x509.Certificate) -> str:
-    """Hex SHA-256 of the certificate's DER SubjectPublicKeyInfo: what NATS ``pinned_certs`` lists."""
-    spki = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return hashlib.sha256(spki).hexdigest()
+def nats_user(cert: x509.Certificate, cn: str) -> str:
+    """The name NATS ``verify_and_map`` maps a client certificate to: its own ``urn:fedsdk:cert:<serial>``
+    URI when it has one (every certificate ``pki.issue_cert`` makes), else its subject ``CN=<cn>``."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        for uri in sans.get_values_for_type(x509.UniformResourceIdentifier):
+            if uri.startswith("urn:fedsdk:cert:"):
+                return str(uri)
+    except x509.ExtensionNotFound:
+        pass
+    return f"CN={cn}"
 
 
 class Ledger:
@@ -92,7 +95,7 @@ class Ledger:
         cn = str(cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)[0].value)
         utc = getattr(cert, "not_valid_after_utc", None)
         not_after = utc if utc is not None else cert.not_valid_after.replace(tzinfo=dt.timezone.utc)
-        entry = IssuedCert(cn, role, cert.serial_number, _iso(not_after), spki_sha256=spki_sha256(cert))
+        entry = IssuedCert(cn, role, cert.serial_number, _iso(not_after), nats_user=nats_user(cert, cn))
         self.certs.append(entry)
         return entry
 

@@ -11,17 +11,19 @@ Files in the fleet's ``broker/nats/`` (``fedsdk cluster up --fleet-dir fleet/`` 
   port for the other nodes), JetStream with its store in ``data/node-<i>/``, and ``include fleet.conf``;
 * ``fleet.conf``: who may connect and what each identity may do, rewritten by ``fedsdk provision
   add-device | revoke | reissue``; ``kill -HUP`` each node (or ``nats-server --signal reload=<pid>``)
-  to apply it to new connections.
+  to apply it: a revoked certificate's open connections are closed and new ones refused.
 
 What mosquitto gives fedsdk, and how the cluster keeps it (decisions, tested in
 ``tests/integration/test_acl.py`` against a 3-node cluster):
 
 * **The certificate is the identity.** ``verify_and_map``: a client must present a certificate of the fleet
-  CA; its subject ``CN=<id>`` is the user whose rights apply. ``allowed_connection_types`` keeps devices on
-  MQTT and the workers on the NATS protocol.
-* **Revocation.** NATS reads no CRL. ``pinned_certs`` lists the SHA-256 of the public key of every valid
-  client certificate in the fleet's ledger (``ca/issued.json``), so a revoked or superseded certificate
-  is refused as soon as the nodes reload ``fleet.conf``.
+  CA, and NATS maps it to a user by its URI ``urn:fedsdk:cert:<serial>`` (``pki.issue_cert``): one user
+  per *valid certificate* of the ledger (``ca/issued.json``), holding the rights of the certificate's id.
+  ``allowed_connection_types`` keeps devices on MQTT and the workers on the NATS protocol.
+* **Revocation.** NATS reads no CRL. A revoked or superseded certificate has no user in ``fleet.conf``,
+  so the reload refuses it, while a newer certificate of the same id keeps working. (Pinning the valid
+  keys with ``pinned_certs`` was tried first: nats-server cannot reload the ``mqtt`` block, so the whole
+  reload was refused, measured.)
 * **The ACL.** Per identity, the publish and subscribe rights of the generated mosquitto ACL
   (``provision.mosquitto``), as NATS subjects: MQTT ``a/b`` is the subject ``a.b`` and a ``.`` inside a
   level is ``//``; an MQTT filter ``x/#`` also matches ``x`` itself, so both are granted.
@@ -119,7 +121,7 @@ def _device_rights(fed: str, cid: str) -> tuple[list[str], list[str]]:
     return [f"{base}/up/{cid}/#"], [f"{base}/down/{cid}", f"{base}/cluster/#", f"{base}/coordinator/status"]
 
 
-def _user(cn: str, pub: list[str], sub: list[str], kinds: list[str], *, responds: bool = False) -> str:
+def _user(name: str, pub: list[str], sub: list[str], kinds: list[str], *, responds: bool = False) -> str:
     subjects = {
         "publish": [s for t in pub for s in _filter(t)],
         "subscribe": [s for t in sub for s in _filter(t)],
@@ -128,40 +130,35 @@ def _user(cn: str, pub: list[str], sub: list[str], kinds: list[str], *, responds
     if responds:  # may answer a request on its reply subject (the coordinator's verdict on a partial)
         perms += ", allow_responses: true"
     return (
-        f"    {{user: {json.dumps('CN=' + cn)}, allowed_connection_types: {json.dumps(kinds)}, "
+        f"    {{user: {json.dumps(name)}, allowed_connection_types: {json.dumps(kinds)}, "
         f"permissions: {{{perms}}}}}"
     )
 
 
 def render_fleet_conf(fleet: Fleet, ledger: Ledger) -> str:
-    """``fleet.conf``: the pinned client keys and one user per identity with its rights."""
+    """``fleet.conf``: one user per valid client certificate of the ledger, with its id's rights."""
     fed = fleet.federation
-    users = [_user(cid, *_device_rights(fed, cid), ["MQTT"]) for cid in fleet.devices]
-    for cn, (pub, sub) in _rights(fed, fleet.key_mode).items():
-        coordinator = cn == "coordinator"
-        kinds = ["MQTT", "STANDARD"] if coordinator else ["MQTT"]
-        users.append(_user(cn, pub, sub, kinds, responds=coordinator))
-    agg = mqtt_subject(f"fl/{fed}/agg") + ".>"
-    users.append(
-        '    {user: "CN=aggregator", allowed_connection_types: ["STANDARD"], permissions: {'
-        f'publish: {{allow: ["$JS.API.>", "$JS.ACK.>", "{agg}"]}}, '
-        f'subscribe: {{allow: ["_INBOX.>", "{agg}"]}}}}}}'
-    )
-    active = [c for c in ledger.certs if not c.revoked and c.role != "broker"]
-    missing = [c.cn for c in active if c.spki_sha256 is None]
-    if missing:
-        raise ConfigError(
-            f"the ledger has no public-key digest for {', '.join(sorted(set(missing)))} (issued before "
-            "broker clusters existed): reissue them (fedsdk provision reissue ID) before running NATS"
-        )
-    pins = sorted({c.spki_sha256 for c in active if c.spki_sha256})
+    devices = set(fleet.devices)
+    services = _rights(fed, fleet.key_mode)
+    users = []
+    for cert in ledger.certs:
+        if cert.revoked or cert.role == "broker":
+            continue
+        name = cert.nats_user or f"CN={cert.cn}"
+        if cert.cn in devices:
+            users.append(_user(name, *_device_rights(fed, cert.cn), ["MQTT"]))
+        elif cert.cn in services:
+            coordinator = cert.cn == "coordinator"
+            kinds = ["MQTT", "STANDARD"] if coordinator else ["MQTT"]
+            users.append(_user(name, *services[cert.cn], kinds, responds=coordinator))
+        elif cert.cn == "aggregator":
+            agg = f"fl/{fed}/agg/#"
+            pub = ["$JS/API/#", "$JS/ACK/#", agg]
+            users.append(_user(name, pub, ["_INBOX/#", agg], ["STANDARD"]))
     lines = [
-        f'# The identities of the fedsdk federation "{fed}" and their rights, written by `fedsdk provision`.',
-        "# Rewritten by add-device, revoke and reissue; SIGHUP every node to apply it to new connections.",
-        "# PINS: the SHA-256 of the public key of every valid client certificate (NATS reads no CRL).",
-        "PINS = [",
-        *(f'  "{p}"' for p in pins),
-        "]",
+        f'# The identities of the fedsdk federation "{fed}" and their rights, by `fedsdk provision`: one',
+        "# user per valid client certificate (its URI urn:fedsdk:cert:<serial>). Rewritten by add-device,",
+        "# revoke and reissue; SIGHUP every node to apply it (a revoked certificate's connections close).",
         "authorization {",
         "  users = [",
         *users,
@@ -194,7 +191,7 @@ server_name: "{fleet.federation}-{index + 1}"
 listen: "{host}:{node.nats_port}"
 max_payload: {MAX_PAYLOAD}
 max_pending: 67108864
-tls {{ {files}, verify_and_map: true, pinned_certs: $PINS, timeout: 5 }}
+tls {{ {files}, verify_and_map: true, timeout: 5 }}
 
 jetstream {{
   store_dir: "{folder}/data/node-{index + 1}"
@@ -212,7 +209,7 @@ cluster {{
 # MQTT for the devices, the coordinator and the key server: the certificate's CN is the user of fleet.conf.
 mqtt {{
   listen: "{host}:{node.port}"
-  tls {{ {files}, verify_and_map: true, pinned_certs: $PINS, timeout: 5 }}
+  tls {{ {files}, verify_and_map: true, timeout: 5 }}
   max_ack_pending: 20
   ack_wait: "30s"
 }}

@@ -143,11 +143,13 @@ class PahoLink:
         password: str | None,
         reconnect_min: float,
         reconnect_max: float,
+        session_id: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("a link needs at least one broker address")
         self.addresses, self._at = tuple(addresses), 0
         self.client_id = client_id
+        self.session_id = session_id or client_id  # the MQTT client id (random on a cluster: mqtt.py)
         self._tls, self._ssl_context = tls, (tls.ssl_context() if tls is not None else None)
         self._keepalive = max(1, math.ceil(keepalive))
         self._timeout = float(timeout)
@@ -207,7 +209,7 @@ class PahoLink:
     def _make_client(self) -> paho.Client:
         client = paho.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=self.client_id,
+            client_id=self.session_id,
             clean_session=self._clean_session,
             protocol=paho.MQTTv311,
             reconnect_on_failure=False,  # we reconnect ourselves, with jitter, from the event loop

@@ -15,6 +15,11 @@ Decisions (no paper specifies the transport):
 * Several brokers (``fallbacks``, or a comma-separated URL list in :meth:`~MqttTransport.from_url`) are the
   nodes of one broker cluster: the client connects to one, and when that fails or the link is lost it goes
   on to the next (:mod:`fedsdk.transport.link`).
+* On a broker cluster the MQTT client id is the client id plus a random suffix, drawn once per transport
+  (``session_suffix``; on by default with several brokers and a clean session). NATS, unlike mosquitto
+  (``use_username_as_clientid``), does not tie the MQTT client id to the certificate: a device connecting
+  with another's client id disconnects it (measured: a device could take the coordinator's session). An
+  id nobody else knows cannot be taken. The identity the broker checks stays the certificate's.
 * The first :meth:`~MqttTransport.connect` retries transient failures (refused, unreachable) within
   ``timeout`` and fails at once on definitive ones (TLS verification, a CONNACK refusal, the broker closing
   the connection before CONNACK, as mosquitto does with TLS 1.3 when the client certificate is missing or
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -78,6 +84,7 @@ class MqttTransport:
         max_queued_messages: int = 10_000,
         rate_limit_bytes_per_s: float | None = None,
         fallbacks: Sequence[tuple[str, int]] = (),
+        session_suffix: bool | None = None,
     ) -> None:
         if tls is None and not insecure:
             raise ConfigError("TLS is required: pass tls=TlsConfig(...), or insecure=True for plain TCP")
@@ -95,9 +102,13 @@ class MqttTransport:
         if will is not None:
             check_topic(will.topic, wildcards=False)
         self.client_id = client_id
+        if session_suffix is None:
+            session_suffix = bool(fallbacks) and clean_session
+        self.session_id = f"{client_id}-{secrets.token_hex(8)}" if session_suffix else client_id
         self._link = PahoLink(
             ((host, port), *fallbacks),
             client_id=client_id,
+            session_id=self.session_id,
             tls=tls,
             keepalive=keepalive,
             timeout=timeout,
