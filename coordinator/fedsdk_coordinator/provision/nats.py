@@ -108,9 +108,8 @@ def _rights(fed: str, key_mode: str) -> dict[str, tuple[list[str], list[str]]]:
     coordinator_pub = [f"{base}/down/#", f"{base}/cluster/#", f"{base}/coordinator/status", f"{base}/agg/#"]
     if key_mode == "keyserver":
         coordinator_pub.append(f"{base}/keyserver/#")
-    rights = {
-        "coordinator": (coordinator_pub, [f"{base}/up/#", f"{base}/coordinator/status", f"{base}/agg/#"]),
-    }
+    coordinator_sub = [f"{base}/up/#", f"{base}/coordinator/status", f"{base}/agg/#", "_INBOX/#"]
+    rights = {"coordinator": (coordinator_pub, coordinator_sub)}
     if key_mode == "keyserver":
         rights["keyserver"] = ([f"{base}/cluster/#"], [f"{base}/keyserver/#"])
     return rights

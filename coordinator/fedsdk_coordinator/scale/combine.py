@@ -5,8 +5,9 @@ sender once and combines the partials (:class:`~.partial.Combined`).
 ``interval`` seconds until the partials received cover every expected sender (or the deadline passes),
 answering each partial request on ``fl.<fed>.agg.partial`` with ``{"ok": true}`` once it is counted, or a
 refusal that names the senders already counted (the worker acknowledges those and has the broker deliver
-the others again). Then it publishes ``fl.<fed>.agg.closed``: the workers drop what they still hold of the
-round. The coordinator stays the one planner: it decides which senders a round expects and when to stop
+the others again). Then it publishes ``fl.<fed>.agg.closed.<cluster>``: the workers drop what they hold of the
+round (kept, the last per cluster, in a JetStream stream a worker started later reads). The coordinator
+stays the one planner: it decides which senders a round expects and when to stop
 waiting, as it does when it receives the updates itself.
 
 An update can be lost between the device and the workers although the device's broker acknowledged it:
@@ -117,10 +118,22 @@ class PartialCollector:
                     moved = time.monotonic()
         finally:
             self._open.pop(key, None)
-            await self.nc.publish(agg_subject(self.federation, "closed"), flush)
+            await self._decided(cluster_id, flush)
         out.seconds = time.monotonic() - t0
         out.missing = (expected or set()) - set(combined.samples)
         return out
+
+    async def _decided(self, cluster_id: int, note: bytes) -> None:
+        """Record the decision in the decided-rounds stream (acknowledged by JetStream), so that workers
+        started later know it too; a plain publish when the stream does not answer."""
+        subject = f"{agg_subject(self.federation, 'closed')}.{cluster_id}"
+        try:
+            await self.nc.jetstream().publish(subject, note, timeout=10)
+        except Exception as exc:
+            log.warning(
+                "round decision for cluster %d not stored (%s); sent to the running workers", cluster_id, exc
+            )
+            await self.nc.publish(subject, note)
 
     async def _on_partial(self, msg: Any) -> None:
         """Count one partial, or refuse it (module docstring); always answer."""

@@ -15,8 +15,10 @@ competing consumers. A worker
    on ``fl.<fed>.agg.partial`` and, once the coordinator has counted it, acknowledges its updates. A
    partial the coordinator refuses names the senders it already counted: those updates are acknowledged
    (counted elsewhere), the others negatively acknowledged, so the broker delivers them again;
-4. when the coordinator closes a round (``fl.<fed>.agg.closed``), acknowledges and drops what it still holds
-   of it (updates that came after the round was decided).
+4. when the coordinator has decided a round of a cluster (``fl.<fed>.agg.closed.<cluster>``), acknowledges
+   and drops what it holds of that round or an earlier one of the cluster, and any such update that comes
+   later. The decisions are kept in a small JetStream stream (the last per cluster), which a worker reads
+   when it starts: a worker started after a round was decided drops that round's stray updates too.
 
 A worker killed at any point loses nothing: whatever it had not acknowledged is delivered again, to another
 worker, once the acknowledgement deadline passes; a partial it had sent is either counted (its updates, if
@@ -115,25 +117,39 @@ async def connect_kit(kit_dir: str | Path, name: str, urls: Iterable[str] | None
     )  # fmt: skip
 
 
+def decided_stream(federation: str) -> str:
+    """The stream that keeps, per cluster, the last round the coordinator decided."""
+    from fedsdk_coordinator.provision.nats import stream_name
+
+    return stream_name(federation).replace("FEDSDK_UP_", "FEDSDK_DECIDED_")
+
+
 async def ensure_stream(js: Any, federation: str, replicas: int) -> str:
     """Create the federation's update stream if it does not exist (work-queue retention: an update leaves
-    it once a worker acknowledged it); returns its name."""
+    it once a worker acknowledged it), and the stream of decided rounds; returns the update stream's name."""
     from nats.js.api import RetentionPolicy, StorageType, StreamConfig
     from nats.js.errors import NotFoundError
 
     from fedsdk_coordinator.provision.nats import stream_name
 
     name = stream_name(federation)
-    config = StreamConfig(
-        name=name, subjects=[update_subject(federation)], retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE, num_replicas=replicas, max_bytes=STREAM_BYTES, max_msg_size=MAX_PAYLOAD,
-    )  # fmt: skip
+    configs = [
+        StreamConfig(
+            name=name, subjects=[update_subject(federation)], retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE, num_replicas=replicas, max_bytes=STREAM_BYTES, max_msg_size=MAX_PAYLOAD,
+        ),
+        StreamConfig(
+            name=decided_stream(federation), subjects=[agg_subject(federation, "closed") + ".*"],
+            storage=StorageType.FILE, num_replicas=replicas, max_msgs_per_subject=1, max_bytes=2**24,
+        ),
+    ]  # fmt: skip
 
     async def make() -> str:
-        try:
-            await js.stream_info(name)
-        except NotFoundError:
-            await js.add_stream(config)
+        for config in configs:
+            try:
+                await js.stream_info(config.name)
+            except NotFoundError:
+                await js.add_stream(config)
         return name
 
     return await _retrying(make)
@@ -203,7 +219,7 @@ class AggregationWorker:
         self.limits = Limits(max_message_bytes=MAX_PAYLOAD)
         self.partials: dict[tuple[int, int], Partial] = {}
         self.held: dict[tuple[int, int], list[Any]] = {}  # the updates in each partial, unacknowledged
-        self.closed: set[tuple[int, int]] = set()
+        self.decided: dict[int, int] = {}  # per cluster: the last round the coordinator decided
         self.stats = WorkerStats()
         self.said = LimitedLog(log)
         self._nc: Any = None
@@ -225,7 +241,8 @@ class AggregationWorker:
                                           config=config)
             )  # fmt: skip
             await nc.subscribe(agg_subject(self.federation, "flush"), cb=self._on_flush)
-            await nc.subscribe(agg_subject(self.federation, "closed"), cb=self._on_closed)
+            await nc.subscribe(agg_subject(self.federation, "closed") + ".*", cb=self._on_closed)
+            await self._load_decided(js)
             beat = asyncio.create_task(self._heartbeat(stop))
             log.info("worker %s: consuming %s", self.name, stream)
             try:
@@ -260,7 +277,7 @@ class AggregationWorker:
             if update.client_id != sender_of(msg.subject):
                 raise ValidationError("bad_topic", f"{update.client_id}'s update on {msg.subject}")
             key = (update.round_id, update.cluster_id)
-            if key in self.closed:
+            if key[0] <= self.decided.get(key[1], 0):
                 raise ValidationError("stale_round", f"an update of round {key[0]}, already decided")
             async with self._lock:  # a partial never leaves while an update is being added to it
                 partial = self.partials.get(key)
@@ -317,23 +334,43 @@ class AggregationWorker:
             counted = set(verdict.get("counted", []))
             log.info("worker %s: partial of round %d refused (%s)", self.name, key[0], verdict.get("reason"))
             if verdict.get("closed"):
-                self.closed.add(key)
                 counted = set(partial.samples)
             await _settle(msgs, counted=counted)
+
+    async def _load_decided(self, js: Any) -> None:
+        """The decided rounds recorded before this worker started (step 4)."""
+        from nats.js.api import DeliverPolicy
+
+        try:
+            info = await _retrying(lambda: js.stream_info(decided_stream(self.federation)))
+            if not info.state.messages:
+                return
+            sub = await js.subscribe(
+                agg_subject(self.federation, "closed") + ".*", ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            )  # fmt: skip
+            for _ in range(info.state.messages):
+                await self._on_closed(await sub.next_msg(timeout=5))
+            await sub.unsubscribe()
+        except Exception as exc:  # not fatal: stray updates of a decided round then wait for a flush
+            self.said.warning("decided", "worker %s: decided rounds not read (%s)", self.name, exc)
 
     async def _on_closed(self, note: Any) -> None:
         try:
             ask = json.loads(note.data)
-            key = (int(ask["round_id"]), int(ask["cluster_id"]))
+            round_id, cluster_id = int(ask["round_id"]), int(ask["cluster_id"])
         except (ValueError, KeyError, TypeError):
             return
-        self.closed.add(key)
+        if round_id <= self.decided.get(cluster_id, 0):
+            return
+        self.decided[cluster_id] = round_id
         async with self._lock:
-            self.partials.pop(key, None)
-            for msg in self.held.pop(key, []):
-                self.stats.dropped += 1
-                with contextlib.suppress(Exception):
-                    await msg.ack()
+            for key in [k for k in self.partials if k[1] == cluster_id and k[0] <= round_id]:
+                self.partials.pop(key, None)
+                for msg in self.held.pop(key, []):
+                    self.stats.dropped += 1
+                    with contextlib.suppress(Exception):
+                        await msg.ack()
 
 
 async def _settle(msgs: list[Any], *, counted: set[str]) -> None:
