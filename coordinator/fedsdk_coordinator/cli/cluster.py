@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -102,6 +103,12 @@ def run_up(args: argparse.Namespace) -> int:
     if args.workers and not (kit / "nats.json").is_file():
         raise ConfigError(f"{kit} is missing: provision the fleet again with broker.engine nats")
     procs: list[subprocess.Popen[bytes]] = []
+
+    def interrupt(sig: int, _frame: object) -> None:  # also when started with SIGINT ignored (`cmd &`)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
     with cluster:
         t0 = time.monotonic()
         cluster.start()
