@@ -82,6 +82,8 @@ class CoordinatorConfig:
     mqtt_timeout: float = 10.0
     he_dir: Path | None = None  # the federation's HE *public* key (he.json, he_public.bin)
     workers: int = 1  # processes for ciphertext sums
+    # a NATS broker cluster's URLs: the round's sums come from its aggregation workers (scale.combine)
+    aggregation_nats: tuple[str, ...] = ()
 
 
 CONFIG = web.AppKey("config", CoordinatorConfig)
@@ -154,6 +156,24 @@ def _dial_url(embedded: EmbeddedBrokerConfig) -> str:
     return f"{'mqtts' if embedded.tls else 'mqtt'}://{f'[{host}]' if ':' in host else host}:{embedded.port}"
 
 
+async def _attach_workers(cfg: CoordinatorConfig, engine: RoundEngine, he: Any) -> Any:
+    """With ``aggregation_nats``: a NATS connection with the coordinator's certificate and the collector of
+    the workers' partial sums, given to the strategy (which then sums nothing itself); else None."""
+    if not cfg.aggregation_nats:
+        return None
+    from fedsdk_coordinator.scale.combine import PartialCollector
+    from fedsdk_coordinator.scale.worker import connect_tls
+
+    if cfg.tls is None or cfg.tls.cert_file is None or cfg.tls.key_file is None:
+        raise ConfigError("aggregation workers need the coordinator's certificate (--kit, or --cert/--key)")
+    tls = cfg.tls
+    nc = await connect_tls(tls.ca_file, tls.cert_file, tls.key_file, "coordinator", cfg.aggregation_nats)
+    collector = PartialCollector(nc, cfg.rounds.federation, he, engine.n_values)
+    await collector.start()
+    engine.strategy.collector = collector
+    return nc
+
+
 async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg: CoordinatorConfig = app[CONFIG]
     source = model_for(cfg.model, cfg.task, cfg.rounds.seed)
@@ -193,6 +213,7 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     transport_box.append(transport)
     app[ENGINE] = engine
     app[TRANSPORT] = transport
+    nc = await _attach_workers(cfg, engine, he)
     app[REGISTRY] = CollectorRegistry(auto_describe=False)
     app[REGISTRY].register(FederationCollector(engine.health, app[STORE], transport))
     async with transport:
@@ -227,6 +248,9 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
                 )
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.close()
 
 
 async def _at_finish(engine: RoundEngine, store: Store, cfg: CoordinatorConfig) -> None:

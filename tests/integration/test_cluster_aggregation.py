@@ -25,6 +25,7 @@ from brokers import free_port
 from fedsdk import pipeline
 from fedsdk.crypto.running import RunningSum
 from fedsdk.hekeys import load_he
+from fedsdk.model.data import load_digits, partition_iid, save_npz
 from fedsdk.protocol import MaskedUpdate, encode
 from fedsdk.secagg.plain import PLAIN_SHARE, RING16, encode_masked
 from fedsdk.secagg.ring import ModRing
@@ -33,6 +34,7 @@ from fedsdk_coordinator.provision import fleet_from_mapping, load_kit, provision
 from fedsdk_coordinator.scale.combine import PartialCollector
 from fedsdk_coordinator.scale.nodes import NatsCluster, find_nats_server
 from fedsdk_coordinator.scale.worker import connect_kit, kit_urls, prepare_stream
+from fedsdk_coordinator.store import Store
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -253,3 +255,56 @@ def test_the_documented_commands_bring_up_a_cluster_and_its_workers(tmp_path: Pa
     assert up.returncode == 0, err
     assert "cluster of 3 nodes up" in err and "update stream FEDSDK_UP_docs ready" in err, err
     assert "4 aggregation workers started" in err, err
+
+
+def test_a_federation_takes_its_sums_from_the_workers(
+    fleet: tuple[Path, NatsCluster], tmp_path: Path
+) -> None:
+    """``fedsdk coordinator --kit ... --aggregation-workers``: three ``fedsdk join`` devices (HE, secure
+    aggregation, key mode shared) on the cluster, two workers; every round's aggregate comes from the
+    workers' partial sums (``summed_by_workers``), the devices decrypt and apply it, the federation ends."""
+    root, _cluster = fleet
+    devices = DEVICES[:3]
+    digits = load_digits(shape="flat")
+    part = partition_iid(digits.y_train, len(devices), seed=2)
+    fedsdk = [sys.executable, "-m", "fedsdk"]
+    workers = _workers(root, 2)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = {name: tmp_path / f"{name}.log" for name in ("coordinator", *devices)}
+
+    def spawn(name: str, cmd: list[str]) -> None:
+        with open(logs[name], "wb") as f:
+            procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+    try:
+        spawn("coordinator", [
+            *fedsdk, "coordinator", "--kit", str(root / "coordinator"), "--aggregation-workers",
+            "--http", f"127.0.0.1:{free_port()}", "--strategy", "fedsdk", "--clustering", "off",
+            "--model", "mlp",
+            "--rounds", "2", "--min-clients", "3", "--start-clients", "3", "--exit-when-done",
+            "--state-dir", str(tmp_path / "state"),
+        ])  # fmt: skip
+        for cid, idx in zip(devices, part.indices, strict=True):
+            save_npz(tmp_path / f"{cid}.npz", digits.x_train[idx], digits.y_train[idx])
+            kit = str(root / "devices" / cid)
+            spawn(
+                cid,
+                [*fedsdk, "join", "--kit", kit, "--data", str(tmp_path / f"{cid}.npz"), "--timeout", "200"],
+            )
+        code = procs["coordinator"].wait(220)
+        out = logs["coordinator"].read_text(errors="replace")
+        assert code == 0, out[-4000:]
+        assert "federation finished after round 2" in out, out[-4000:]
+        for cid in devices:
+            assert procs[cid].wait(60) == 0, logs[cid].read_text(errors="replace")[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        _stop(workers)
+    with Store(tmp_path / "state" / "coordinator.sqlite") as store:
+        rounds = [r for r in store.rounds() if r.round_id >= 1]
+    assert rounds and all(r.metrics.get("summed_by_workers") == 1.0 for r in rounds), [
+        r.metrics for r in rounds
+    ]

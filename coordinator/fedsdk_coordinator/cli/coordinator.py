@@ -145,6 +145,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--exit-when-done", action="store_true", help="stop once the last round is aggregated")
     p.add_argument("--he", metavar="DIR", help="the federation's HE public key folder (HE strategies)")
+    p.add_argument(
+        "--aggregation-workers", nargs="?", const="kit", default=None, metavar="URLS",
+        help="take each round's sums from the aggregation workers of a NATS broker cluster (docs/scale.md): "
+        "its tls:// URLs, comma-separated; without URLS, those of the kit's nats.json",
+    )  # fmt: skip
     add_strategy_options(
         p,
         default=None,
@@ -277,6 +282,21 @@ def dev_pki(state_dir: Path, devices: Sequence[str], listen_host: str) -> DevPki
     print(f"development PKI in {pki.directory} ({made}; CA: {pki.ca_file})")
     print(f"broker certificate covers: {', '.join(pki.server_sans())}")
     return pki
+
+
+def _aggregation_nats(args: argparse.Namespace) -> tuple[str, ...]:
+    """The NATS URLs of ``--aggregation-workers``: given, or from the kit's ``nats.json``."""
+    if args.aggregation_workers is None:
+        return ()
+    if args.aggregation_workers != "kit":
+        return tuple(u.strip() for u in args.aggregation_workers.split(",") if u.strip())
+    if not args.kit:
+        raise ConfigError(
+            "--aggregation-workers without URLs takes them from --kit: give the kit or the URLs"
+        )
+    from fedsdk_coordinator.scale.worker import kit_urls
+
+    return tuple(kit_urls(args.kit))
 
 
 def _apply_kit(args: argparse.Namespace) -> None:
@@ -419,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
         tls=tls,
         insecure=args.insecure,
         he_dir=Path(args.he) if args.he else None,
+        aggregation_nats=_aggregation_nats(args),
     )
 
     async def go() -> int:

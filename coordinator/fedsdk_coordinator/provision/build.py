@@ -310,6 +310,7 @@ def _build(fleet: Fleet, root: Path, final: Path, bundle: BundleRequest | None =
     ledger.save()
     if cluster:
         write_nats(root, final, fleet, ledger)
+        write_public(root / "coordinator" / "nats.json", (root / "aggregator" / "nats.json").read_bytes())
     write_public(root / _FLEET_FILE, (_dumps(fleet.to_dict())).encode())
 
 

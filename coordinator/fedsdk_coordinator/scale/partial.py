@@ -211,11 +211,12 @@ class Combined:
         """Masked plaintext: the sum of the codes so far (modulo 2^16 or 2^32), before any correction."""
         return None if self._codes is None else self._codes.copy()
 
-    def finish_he(self, correction: Any = None) -> Aggregate:
-        """The HE aggregate, senders in sorted order (as the single-process coordinator orders them)."""
+    def finish_he(self, correction: Any = None, order: Sequence[str] | None = None) -> Aggregate:
+        """The HE aggregate, its per-sender fields in ``order`` (default sorted; the coordinator passes the
+        order it sums in)."""
         if self._running is None:
             raise CryptoError("no encrypted partial to finish")
-        return self._running.finish(sorted(self.samples), correction)
+        return self._running.finish(list(order) if order is not None else sorted(self.samples), correction)
 
     def finish_masked(
         self, global_weights: Sequence[np.ndarray], correction: list[tuple[bytes, int]]

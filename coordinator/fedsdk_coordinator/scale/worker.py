@@ -105,12 +105,19 @@ def sender_of(subject: str) -> str:
 async def connect_kit(kit_dir: str | Path, name: str, urls: Iterable[str] | None = None) -> Any:
     """A NATS connection with a kit's certificate (the aggregator's or the coordinator's), to every node
     of the cluster (``nats.json`` of the aggregator kit unless ``urls``), reconnecting for ever."""
-    import nats
-
     kit = Path(kit_dir)
     urls = kit_urls(kit) if urls is None else urls
-    ctx = ssl.create_default_context(cafile=str(kit / "ca.pem"))
-    ctx.load_cert_chain(str(kit / "client.pem"), str(kit / "client.key"))
+    return await connect_tls(kit / "ca.pem", kit / "client.pem", kit / "client.key", name, urls)
+
+
+async def connect_tls(
+    ca: str | Path, cert: str | Path, key: str | Path, name: str, urls: Iterable[str]
+) -> Any:
+    """A NATS connection with mutual TLS to every node in ``urls``, reconnecting for ever."""
+    import nats
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(str(cert), str(key))
     return await nats.connect(
         servers=list(urls), tls=ctx, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         connect_timeout=5, allow_reconnect=True,

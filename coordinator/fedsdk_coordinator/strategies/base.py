@@ -107,6 +107,9 @@ class Strategy:
     fill_default: ClassVar[bool] = False  # encrypt everything the budget allows (pipeline.fill_mask)
     leak_db_default: ClassVar[float] = 0.0  # devices encrypt first-layer rows matching a local sample
     leak_drop_default: ClassVar[bool] = False  # ... and drop them from the update (fedsdk.leakage)
+    # aggregation workers' partial sums (scale.combine.PartialCollector), set by the app; None: sum here
+    collector: Any = None
+    collect_wait_s: float = 60.0  # how long a round waits for the workers' partials before summing here
 
     def __init__(self, config: RoundConfig, he: HEBackend | None, shapes: Sequence[tuple[int, ...]]) -> None:
         self.config = config

@@ -122,7 +122,7 @@ class HEStrategy(Strategy):
             raise ValidationError("bad_ciphertext", str(exc)) from exc
 
     def accepted(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
-        if not isinstance(msg, EncryptedUpdate):
+        if not isinstance(msg, EncryptedUpdate) or self.collector is not None:  # workers sum it
             return
         running = self._running.get(rnd.cluster_id)
         if running is None or running.round_id != rnd.round_id:
@@ -162,6 +162,17 @@ class HEStrategy(Strategy):
         which of the two it was."""
         he = self.public
         correction = await self._off_loop(None, self._correction, terms) if terms is not None else None
+        if self.collector is not None:
+            order = [u.client_id for u in ordered]
+            got = await self.collector.collect(
+                rnd.round_id, rnd.cluster_id, set(order), deadline_s=self.collect_wait_s
+            )
+            if not got.missing:
+                return await self._off_loop(None, got.combined.finish_he, correction, order), "workers"
+            log.warning(
+                "round %d cluster %d: the aggregation workers' partials lack %d of %d updates after %.0f s; "
+                "summing here", rnd.round_id, rnd.cluster_id, len(got.missing), len(order), got.seconds,
+            )  # fmt: skip
         running = self._running.pop(rnd.cluster_id, None)
         if running is not None and running.round_id == rnd.round_id:
             results = await asyncio.gather(*running.adding, return_exceptions=True)
@@ -193,6 +204,7 @@ class HEStrategy(Strategy):
         metrics: dict[str, Any] = {
             "aggregate_s": time.perf_counter() - t0,
             "summed_on_arrival": float(how == "arrival"),
+            "summed_by_workers": float(how == "workers"),
         }
         union = np.asarray(he_agg.mask)
         metrics["union_ratio"] = float(union.mean())

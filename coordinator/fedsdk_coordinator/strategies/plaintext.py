@@ -11,6 +11,7 @@ update. Unmasked (``secagg=False``): float updates averaged as they are.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,11 @@ from fedsdk.errors import ValidationError
 from fedsdk.protocol import Aggregate, BaseMessage, EncryptedUpdate, MaskedUpdate, Update, encode
 from fedsdk.protocol.validate import check_update
 from fedsdk.secagg.plain import PLAIN_SHARE
-from fedsdk_coordinator.aggregate import fedavg, masked_fedavg
+from fedsdk_coordinator.aggregate import AggregateResult, fedavg, masked_fedavg, masked_mean
 from fedsdk_coordinator.engine.state import RoundState
 from fedsdk_coordinator.strategies.base import Aggregated, AggregationInputs, ClusterPlan, Strategy
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FedAvg"]
 
@@ -37,6 +40,24 @@ class FedAvg(Strategy):
         if self.secagg:
             options["plain_encoding"] = "share"  # int16 codes in Z_{2^16} (fedsdk.secagg.plain)
         return options
+
+    async def _from_workers(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Any:
+        """The masked round's mean from the aggregation workers' partial sums of codes; None (sum here)
+        when they lack an update after ``collect_wait_s``."""
+        assert inputs.correction is not None
+        order = sorted(u.client_id for u in valid)
+        got = await self.collector.collect(
+            rnd.round_id, rnd.cluster_id, set(order), deadline_s=self.collect_wait_s
+        )
+        codes = got.combined.codes
+        if got.missing or codes is None:
+            log.warning("round %d cluster %d: %d updates missing from the workers' partials; summing here",
+                        rnd.round_id, rnd.cluster_id, len(got.missing))  # fmt: skip
+            return None
+        bits = 16 if codes.dtype == np.uint16 else 32
+        weights = [got.combined.weights[k] for k in order]
+        new = await self._off_loop(None, masked_mean, inputs.current, codes, bits, weights, inputs.correction)
+        return AggregateResult(new, len(order), sum(int(u.num_samples) for u in valid), tuple(order))
 
     def check_reply(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
         if isinstance(msg, EncryptedUpdate):
@@ -61,7 +82,10 @@ class FedAvg(Strategy):
             )
 
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
-        if rnd.session:
+        result = await self._from_workers(rnd, valid, inputs) if rnd.session and self.collector else None
+        if result is not None:
+            pass
+        elif rnd.session:
             assert inputs.correction is not None
             result = await self._off_loop(
                 inputs.executor, masked_fedavg, inputs.current, valid, inputs.correction
