@@ -382,6 +382,8 @@ def throughput(
                 "publish_s": round(published, 2), "seconds": round(total, 2),
                 "values_per_s": round(k * n / total), "counted": len(got.combined.samples),
                 "update_mb": round(len(payloads[0]) / 2**20, 2),
+                "worker_busy_s": {w: round(b, 2) for w, b in got.busy_s.items()},
+                "values_per_busy_s": round(k * n / max(1e-9, sum(got.busy_s.values()))),
             })  # fmt: skip
             print(f"  {w} worker(s): {rows[-1]}", flush=True)
     finally:

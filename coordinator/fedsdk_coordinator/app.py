@@ -164,10 +164,11 @@ async def _attach_workers(cfg: CoordinatorConfig, engine: RoundEngine, he: Any) 
     from fedsdk_coordinator.scale.combine import PartialCollector
     from fedsdk_coordinator.scale.worker import connect_tls
 
-    if cfg.tls is None or cfg.tls.cert_file is None or cfg.tls.key_file is None:
+    cert = cfg.tls.cert_file if cfg.tls else None
+    key = cfg.tls.key_file if cfg.tls else None
+    if cfg.tls is None or cert is None or key is None:
         raise ConfigError("aggregation workers need the coordinator's certificate (--kit, or --cert/--key)")
-    tls = cfg.tls
-    nc = await connect_tls(tls.ca_file, tls.cert_file, tls.key_file, "coordinator", cfg.aggregation_nats)
+    nc = await connect_tls(cfg.tls.ca_file, cert, key, "coordinator", cfg.aggregation_nats)
     collector = PartialCollector(nc, cfg.rounds.federation, he, engine.n_values)
     await collector.start()
     engine.strategy.collector = collector

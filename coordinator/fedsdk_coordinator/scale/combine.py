@@ -50,6 +50,7 @@ class Collected:
     refused: int
     workers: dict[str, int] = field(default_factory=dict)  # senders counted per worker
     resent: int = 0  # senders asked again
+    busy_s: dict[str, float] = field(default_factory=dict)  # per worker: seconds adding the updates counted
 
     @property
     def complete(self) -> bool:
@@ -154,6 +155,7 @@ class PartialCollector:
                 loop = asyncio.get_running_loop()
                 header = await loop.run_in_executor(None, combined.absorb, data, expected)
                 out.workers[header.worker] = out.workers.get(header.worker, 0) + len(header.samples)
+                out.busy_s[header.worker] = out.busy_s.get(header.worker, 0.0) + header.busy_s
                 verdict = {"ok": True}
                 done.set()
             except Overlap as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ class PartialHeader:
     ring_bits: int = 0  # masked: 16 or 32
     n_values: int = 0
     weights: dict[str, int] = field(default_factory=dict)  # masked: the FedAvg weights (HE: in the sum)
+    busy_s: float = 0.0  # the worker's seconds adding these updates
 
 
 class Partial:
@@ -70,12 +72,20 @@ class Partial:
         self._running: RunningSum | None = None
         self._codes: np.ndarray | None = None
         self._bits = 0
+        self.busy_s = 0.0
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def add(self, msg: EncryptedUpdate | MaskedUpdate) -> None:
         """Add one update; :class:`ValidationError` (and nothing added) if it cannot join this sum."""
+        t0 = time.perf_counter()
+        try:
+            self._add(msg)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _add(self, msg: EncryptedUpdate | MaskedUpdate) -> None:
         if (msg.round_id, msg.cluster_id) != (self.round_id, self.cluster_id):
             raise ValidationError("stale_round", "an update of another round or cluster")
         if msg.client_id in self.samples:
@@ -110,7 +120,7 @@ class Partial:
             raise ValueError("an empty partial sum")
         header: dict[str, Any] = {
             "worker": self.worker, "round_id": self.round_id, "cluster_id": self.cluster_id,
-            "samples": self.samples,
+            "samples": self.samples, "busy_s": self.busy_s,
         }  # fmt: skip
         if self._running is not None:
             header["kind"], body = HE, self._running.export()
@@ -140,6 +150,7 @@ def read_partial(data: bytes) -> tuple[PartialHeader, bytes]:
             ring_bits=int(raw.get("ring_bits", 0)),
             n_values=int(raw.get("n_values", 0)),
             weights={str(k): int(v) for k, v in dict(raw.get("weights", {})).items()},
+            busy_s=float(raw.get("busy_s", 0.0)),
         )
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise ValidationError("bad_field", f"unusable partial sum: {exc}") from exc

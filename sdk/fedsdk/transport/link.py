@@ -120,6 +120,37 @@ def _no_delay(sock: Any) -> bool:
     return True
 
 
+def _new_client(
+    session_id: str,
+    clean_session: bool,
+    timeout: float,
+    max_inflight: int,
+    ssl_context: ssl.SSLContext | None,
+    username: str | None,
+    password: str | None,
+    will: Will | None,
+) -> paho.Client:
+    """A paho client for one link: MQTT 3.1.1, no reconnects of its own, no queue of its own."""
+    client = paho.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id=session_id,
+        clean_session=clean_session,
+        protocol=paho.MQTTv311,
+        reconnect_on_failure=False,  # we reconnect ourselves, with jitter, from the event loop
+    )
+    client.connect_timeout = timeout
+    client.max_inflight_messages_set(max_inflight)
+    client.max_queued_messages_set(0)
+    if ssl_context is not None:
+        client.tls_set_context(ssl_context)
+    if username is not None:
+        client.username_pw_set(username, password)
+    if will is not None:
+        (frame,) = split_payload(will.payload, max(1, len(will.payload)))
+        client.will_set(will.topic, frame, qos=will.qos, retain=will.retain)
+    return client
+
+
 class PahoLink:
     """One paho client and, at a time, one link to the broker (module docstring).
 
@@ -207,24 +238,10 @@ class PahoLink:
 
     # ------------------------------------------------------------------ connection management
     def _make_client(self) -> paho.Client:
-        client = paho.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=self.session_id,
-            clean_session=self._clean_session,
-            protocol=paho.MQTTv311,
-            reconnect_on_failure=False,  # we reconnect ourselves, with jitter, from the event loop
-        )
-        client.connect_timeout = self._timeout
-        client.max_inflight_messages_set(self._max_inflight)
-        client.max_queued_messages_set(0)
-        if self._ssl_context is not None:
-            client.tls_set_context(self._ssl_context)
-        if self._username is not None:
-            client.username_pw_set(self._username, self._password)
-        if self._will is not None:
-            w = self._will
-            (frame,) = split_payload(w.payload, max(1, len(w.payload)))
-            client.will_set(w.topic, frame, qos=w.qos, retain=w.retain)
+        client = _new_client(
+            self.session_id, self._clean_session, self._timeout, self._max_inflight, self._ssl_context,
+            self._username, self._password, self._will,
+        )  # fmt: skip
         client.on_connect = self._cb_connect
         client.on_disconnect = self._cb_disconnect
         client.on_publish = self._cb_publish

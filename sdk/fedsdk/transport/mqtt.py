@@ -193,25 +193,7 @@ class MqttTransport:
 
     @property
     def stats(self) -> dict[str, int]:
-        r = self._traffic.reassembler
-        out = {
-            k: self._counters[k]
-            for k in ("bytes_out", "bytes_in", "messages_out", "messages_in", "chunks_out", "chunks_in")
-        }
-        out |= {
-            "reconnects": self._counters["reconnects"],
-            "dropped_incomplete": r.dropped_incomplete,
-            "rejected_frames": r.rejected_frames,
-            "duplicates": r.duplicates,
-            "dropped_overflow": self._counters["dropped_overflow"],
-            "pending_incomplete": r.pending_messages,
-            "inflight": len(self._traffic.inflight),
-            "inflight_peak": self._counters["inflight_peak"],
-        }
-        if self._traffic.bucket is not None:
-            out["rate_limit_wait_ms"] = round(1000 * self._traffic.bucket.waited_s)
-        out |= {f"rejected.{code}": n for code, n in sorted(r.rejections.items())}
-        return out
+        return _stats(self._counters, self._traffic)
 
     @property
     def frame_rejections(self) -> dict[str, int]:
@@ -378,3 +360,26 @@ class MqttTransport:
     def _deadline(self, timeout: float | None) -> float:
         assert self._link.loop is not None
         return self._link.loop.time() + (self._timeout if timeout is None else timeout)
+
+
+def _stats(counters: Counter[str], traffic: Traffic) -> dict[str, int]:
+    """A transport's counters (:attr:`MqttTransport.stats`)."""
+    r = traffic.reassembler
+    out = {
+        k: counters[k]
+        for k in ("bytes_out", "bytes_in", "messages_out", "messages_in", "chunks_out", "chunks_in")
+    }
+    out |= {
+        "reconnects": counters["reconnects"],
+        "dropped_incomplete": r.dropped_incomplete,
+        "rejected_frames": r.rejected_frames,
+        "duplicates": r.duplicates,
+        "dropped_overflow": counters["dropped_overflow"],
+        "pending_incomplete": r.pending_messages,
+        "inflight": len(traffic.inflight),
+        "inflight_peak": counters["inflight_peak"],
+    }
+    if traffic.bucket is not None:
+        out["rate_limit_wait_ms"] = round(1000 * traffic.bucket.waited_s)
+    out |= {f"rejected.{code}": n for code, n in sorted(r.rejections.items())}
+    return out
