@@ -201,6 +201,7 @@ class Collecting(threading.Thread):
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.go = threading.Event()  # the round started: devices missing from now on are asked again
+        self.session = f"{'h' if he is not None else 's'}{round_id}"  # as masked_round / he_round name it
 
     def run(self) -> None:
         try:
@@ -234,7 +235,8 @@ class Collecting(threading.Thread):
         await asyncio.get_running_loop().run_in_executor(None, self.go.wait)
         try:
             got = await asyncio.gather(*(
-                collector.collect(self.round_id, k, set(m), deadline_s=900, resend=self._resend, quiet_s=15)
+                collector.collect(self.round_id, k, set(m), deadline_s=900, resend=self._resend, quiet_s=15,
+                                  session=self.session)
                 for k, m in self.clusters.items()
             ))  # fmt: skip
             self.results = dict(zip(self.clusters, got, strict=True))
@@ -339,7 +341,7 @@ def throughput(
     from fedsdk import pipeline
     from fedsdk.hekeys import load_he
     from fedsdk.protocol import encode
-    from fedsdk_coordinator.scale.worker import prepare_stream
+    from fedsdk_coordinator.scale.worker import prepare_stream, worker_command
 
     rng = np.random.default_rng(5)
     n, k = args.tp_values, args.tp_updates
@@ -356,18 +358,12 @@ def throughput(
             payloads = [encode(pipeline.message_from_contribution(
                 c, client_id=devices[j].client_id, round_id=round_id, cluster_id=1, num_samples=4, metrics={},
                 session="")) for j, c in enumerate(contributions)]  # fmt: skip
-            cmd = [
-                sys.executable,
-                "-m",
-                "fedsdk",
-                "cluster",
-                "worker",
-                "--kit",
-                str(root / "aggregator"),
-                "--name",
-            ]
             procs = [
-                subprocess.Popen([*cmd, f"t{w}-{i}"], stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.Popen(
+                    worker_command(root / "aggregator", f"t{w}-{i}"),
+                    stdin=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 for i in range(w)
             ]
             time.sleep(4)  # the workers connect and wait on the empty stream

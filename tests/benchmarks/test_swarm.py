@@ -200,7 +200,8 @@ def test_identities_look_like_provisioned_devices(fleet: Fleet) -> None:
         assert [e.oid for e in cert.extensions] == [e.oid for e in real.extensions]
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
-            f"spiffe://fedsdk.local/device/{sim.client_id}"
+            f"spiffe://fedsdk.local/device/{sim.client_id}",
+            f"urn:fedsdk:cert:{cert.serial_number:x}",
         ]
         eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]

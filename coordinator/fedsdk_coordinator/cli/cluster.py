@@ -16,7 +16,6 @@ import asyncio
 import logging
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -117,23 +116,13 @@ def run_up(args: argparse.Namespace) -> int:
             time.monotonic() - t0, ", ".join(str(n.pid) for n in cluster.nodes), cluster.mqtt_urls,
         )  # fmt: skip
         try:
-            if args.workers:
-                from fedsdk_coordinator.scale.worker import prepare_stream
+            from fedsdk_coordinator.scale.worker import prepare_stream, worker_command
 
+            if args.workers:
                 stream = asyncio.run(prepare_stream(kit))
                 progress.info("update stream %s ready", stream)
             for i in range(args.workers):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "fedsdk",
-                    "cluster",
-                    "worker",
-                    "--kit",
-                    str(kit),
-                    "--name",
-                    f"w{i + 1}",
-                ]
+                cmd = worker_command(kit, f"w{i + 1}")
                 procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
             progress.info("%d aggregation workers started (pids %s); Ctrl-C stops everything", len(procs),
                           ", ".join(str(p.pid) for p in procs))  # fmt: skip

@@ -85,10 +85,12 @@ class PartialCollector:
         interval: float = 0.5,
         resend: Callable[[set[str]], Awaitable[object]] | None = None,
         quiet_s: float = 15.0,
+        session: str = "",
     ) -> Collected:
         """The combined sum of the round's partials once they cover ``expected`` (or ``count`` senders when
         no set is given), or whatever arrived by ``deadline_s`` (``missing`` then says who is not in it);
-        ``resend`` is called with the senders still missing after ``quiet_s`` without progress."""
+        ``resend`` is called with the senders still missing after ``quiet_s`` without progress. ``session``:
+        the round's masking session (workers keep the updates of each session apart)."""
         key = (round_id, cluster_id)
         combined = Combined(round_id, cluster_id, self.he, self.n_values)
         done = asyncio.Event()
@@ -96,7 +98,7 @@ class PartialCollector:
         self._open[key] = (combined, expected, done, out)
         want = len(expected) if expected is not None else int(count or 0)
         t0 = time.monotonic()
-        flush = json.dumps({"round_id": round_id, "cluster_id": cluster_id}).encode()
+        flush = json.dumps({"round_id": round_id, "cluster_id": cluster_id, "session": session}).encode()
         counted, moved = 0, time.monotonic()
         try:
             while sum(out.workers.values()) < want and time.monotonic() - t0 < deadline_s:

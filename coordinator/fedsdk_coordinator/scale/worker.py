@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import ssl
+import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
@@ -66,6 +67,23 @@ CONSUMER = "aggregators"
 def agg_subject(federation: str, what: str) -> str:
     """The subject of the coordinator-worker exchange ``what`` (flush, closed, partial)."""
     return mqtt_subject(f"fl/{federation}/agg/{what}")
+
+
+def worker_command(kit_dir: str | Path, name: str, *, ack_wait: float | None = None) -> list[str]:
+    """The command that runs one worker as its own process (``fedsdk cluster worker``)."""
+    extra = [] if ack_wait is None else ["--ack-wait", str(ack_wait)]
+    return [
+        sys.executable,
+        "-m",
+        "fedsdk",
+        "cluster",
+        "worker",
+        "--kit",
+        str(kit_dir),
+        "--name",
+        name,
+        *extra,
+    ]
 
 
 def kit_urls(kit_dir: str | Path) -> list[str]:
@@ -224,9 +242,12 @@ class AggregationWorker:
         self.ack_wait, self.batch = float(ack_wait), int(batch)
         self.urls = list(urls) if urls is not None else kit_urls(self.kit)
         self.limits = Limits(max_message_bytes=MAX_PAYLOAD)
-        self.partials: dict[tuple[int, int], Partial] = {}
-        self.held: dict[tuple[int, int], list[Any]] = {}  # the updates in each partial, unacknowledged
-        self.decided: dict[int, int] = {}  # per cluster: the last round the coordinator decided
+        # per (round, cluster, session): the partial sum and its updates, held unacknowledged. The masking
+        # session keeps apart what must never be summed together: another attempt at a round, a federation
+        # started over under the same name (its round numbers start again)
+        self.partials: dict[tuple[int, int, str], Partial] = {}
+        self.held: dict[tuple[int, int, str], list[Any]] = {}
+        self.decided: set[tuple[int, int, str]] = set()  # rounds the coordinator decided, with their session
         self.stats = WorkerStats()
         self.said = LimitedLog(log)
         self._nc: Any = None
@@ -283,13 +304,13 @@ class AggregationWorker:
                 raise ValidationError("wrong_kind", f"{type(update).__name__} on an update topic")
             if update.client_id != sender_of(msg.subject):
                 raise ValidationError("bad_topic", f"{update.client_id}'s update on {msg.subject}")
-            key = (update.round_id, update.cluster_id)
-            if key[0] <= self.decided.get(key[1], 0):
+            key = (update.round_id, update.cluster_id, update.session)
+            if update.session and key in self.decided:
                 raise ValidationError("stale_round", f"an update of round {key[0]}, already decided")
             async with self._lock:  # a partial never leaves while an update is being added to it
                 partial = self.partials.get(key)
                 if partial is None:
-                    partial = self.partials[key] = Partial(self.name, *key, self.he)
+                    partial = self.partials[key] = Partial(self.name, key[0], key[1], self.he)
                 if update.client_id not in partial.samples:  # else: the same update delivered again
                     t0 = time.perf_counter()
                     await asyncio.get_running_loop().run_in_executor(None, partial.add, update)
@@ -314,13 +335,16 @@ class AggregationWorker:
     async def _on_flush(self, request: Any) -> None:
         try:
             ask = json.loads(request.data)
-            key = (int(ask["round_id"]), int(ask["cluster_id"]))
+            key = (int(ask["round_id"]), int(ask["cluster_id"]), str(ask.get("session", "")))
         except (ValueError, KeyError, TypeError):
             return
         async with self._lock:
             partial = self.partials.pop(key, None)
             msgs = self.held.pop(key, [])
             if partial is None or not len(partial):
+                log.debug(
+                    "worker %s: flush of %s: nothing held (holding %s)", self.name, key, list(self.partials)
+                )
                 return
             body = await asyncio.get_running_loop().run_in_executor(None, partial.export)
             self.stats.partials_sent += 1
@@ -363,21 +387,22 @@ class AggregationWorker:
             self.said.warning("decided", "worker %s: decided rounds not read (%s)", self.name, exc)
 
     async def _on_closed(self, note: Any) -> None:
+        """A round the coordinator decided: what is held of it is dropped, and so are its updates that come
+        later. A round without a masking session cannot be told from a later run's round of the same
+        number, so only what is held of it now is dropped."""
         try:
             ask = json.loads(note.data)
-            round_id, cluster_id = int(ask["round_id"]), int(ask["cluster_id"])
+            key = (int(ask["round_id"]), int(ask["cluster_id"]), str(ask.get("session", "")))
         except (ValueError, KeyError, TypeError):
             return
-        if round_id <= self.decided.get(cluster_id, 0):
-            return
-        self.decided[cluster_id] = round_id
+        if key[2]:
+            self.decided.add(key)
         async with self._lock:
-            for key in [k for k in self.partials if k[1] == cluster_id and k[0] <= round_id]:
-                self.partials.pop(key, None)
-                for msg in self.held.pop(key, []):
-                    self.stats.dropped += 1
-                    with contextlib.suppress(Exception):
-                        await msg.ack()
+            self.partials.pop(key, None)
+            for msg in self.held.pop(key, []):
+                self.stats.dropped += 1
+                with contextlib.suppress(Exception):
+                    await msg.ack()
 
 
 async def _settle(msgs: list[Any], *, counted: set[str]) -> None:

@@ -164,8 +164,9 @@ class HEStrategy(Strategy):
         correction = await self._off_loop(None, self._correction, terms) if terms is not None else None
         if self.collector is not None:
             order = [u.client_id for u in ordered]
+            session = ordered[0].session  # the updates' masking session: workers keep each apart
             got = await self.collector.collect(
-                rnd.round_id, rnd.cluster_id, set(order), deadline_s=self.collect_wait_s
+                rnd.round_id, rnd.cluster_id, set(order), deadline_s=self.collect_wait_s, session=session
             )
             if not got.missing:
                 return await self._off_loop(None, got.combined.finish_he, correction, order), "workers"

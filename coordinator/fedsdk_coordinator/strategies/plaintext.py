@@ -47,7 +47,7 @@ class FedAvg(Strategy):
         assert inputs.correction is not None
         order = sorted(u.client_id for u in valid)
         got = await self.collector.collect(
-            rnd.round_id, rnd.cluster_id, set(order), deadline_s=self.collect_wait_s
+            rnd.round_id, rnd.cluster_id, set(order), deadline_s=self.collect_wait_s, session=valid[0].session
         )
         codes = got.combined.codes
         if got.missing or codes is None:
