@@ -17,7 +17,6 @@ from fedsdk_coordinator.provision.build import (
     RevokeReport,
     add_device,
     provision,
-    register_devices,
     revoke_device,
 )
 from fedsdk_coordinator.provision.bundle import PLATFORMS, add_bundle_to_kit, build_bundle
@@ -40,6 +39,7 @@ from fedsdk_coordinator.provision.mosquitto import (
     render_in_place_conf,
     render_mosquitto_conf,
 )
+from fedsdk_coordinator.provision.register import register_devices
 from fedsdk_coordinator.provision.rotate import ReissueReport, RotateHEReport, reissue, rotate_he
 
 __all__ = [

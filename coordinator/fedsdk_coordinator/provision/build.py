@@ -35,12 +35,10 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from cryptography.exceptions import InvalidSignature
 
 from fedsdk.crypto import generate_backend
 from fedsdk.errors import ConfigError, CryptoError
@@ -69,7 +67,6 @@ __all__ = [
     "RevokeReport",
     "add_device",
     "provision",
-    "register_devices",
     "revoke_device",
 ]
 
@@ -453,35 +450,6 @@ def add_device_in(fd: FleetDir, cid: str, force: bool) -> DeviceReport:
     devices = fleet.devices if cid in fleet.devices else (*fleet.devices, cid)
     fd.save_fleet(fleet.with_devices(devices))
     return DeviceReport(fd.root, cid, kit, replaced=exists, revoked=revoked)
-
-
-def register_devices(fleet_dir: str | os.PathLike[str], certs: Mapping[str, bytes]) -> int:
-    """Record device certificates issued with the fleet's CA outside :func:`add_device` (no kit: a load
-    harness's simulated devices) in the ledger and the device list, and rewrite the broker's rules. Each
-    certificate must be signed by the fleet CA and name its id as CN. Returns how many were new."""
-    from cryptography import x509
-
-    with open_fleet_dir(fleet_dir) as fd:
-        ca = x509.load_pem_x509_certificate(fd.ca.cert_pem)
-        new = []
-        for cid, pem in certs.items():
-            validate_config_id(cid, "device id")
-            if cid in RESERVED_IDS:
-                raise ConfigError(f"device id {cid!r} is reserved for a service identity")
-            cert = x509.load_pem_x509_certificate(pem)
-            try:
-                cert.verify_directly_issued_by(ca)
-            except (ValueError, TypeError, InvalidSignature) as exc:
-                raise ConfigError(f"the certificate of {cid!r} is not issued by this fleet's CA") from exc
-            cns = [a.value for a in cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)]
-            if cns != [cid]:
-                raise ConfigError(f"the certificate given for {cid!r} names {cns}")
-            fd.ledger.record("device", pem)
-            if cid not in fd.fleet.devices:
-                new.append(cid)
-        fd.ledger.save()
-        fd.save_fleet(fd.fleet.with_devices((*fd.fleet.devices, *new)))
-        return len(new)
 
 
 def revoke_device(fleet_dir: str | os.PathLike[str], client_id: str) -> RevokeReport:
