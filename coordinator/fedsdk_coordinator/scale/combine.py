@@ -5,10 +5,11 @@ sender once and combines the partials (:class:`~.partial.Combined`).
 ``interval`` seconds until the partials received cover every expected sender (or the deadline passes),
 answering each partial request on ``fl.<fed>.agg.partial`` with ``{"ok": true}`` once it is counted, or a
 refusal that names the senders already counted (the worker acknowledges those and has the broker deliver
-the others again). Then it publishes ``fl.<fed>.agg.closed.<cluster>``: the workers drop what they hold of the
-round (kept, the last per cluster, in a JetStream stream a worker started later reads). The coordinator
-stays the one planner: it decides which senders a round expects and when to stop
-waiting, as it does when it receives the updates itself.
+the others again). Then it publishes ``fl.<fed>.agg.closed.<cluster>`` (round and masking session): the
+workers drop what they hold of that round (the last decision per cluster is kept in a JetStream stream that
+a worker started later reads). The flush names the masking session too: workers keep each session's
+updates apart. The coordinator stays the one planner: it decides which senders a round expects and when to
+stop waiting, as it does when it receives the updates itself.
 
 An update can be lost between the device and the workers although the device's broker acknowledged it:
 NATS acknowledges an MQTT QoS 1 PUBLISH before the update stream has stored it, and a stream whose leader

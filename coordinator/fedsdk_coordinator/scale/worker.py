@@ -15,10 +15,11 @@ competing consumers. A worker
    on ``fl.<fed>.agg.partial`` and, once the coordinator has counted it, acknowledges its updates. A
    partial the coordinator refuses names the senders it already counted: those updates are acknowledged
    (counted elsewhere), the others negatively acknowledged, so the broker delivers them again;
-4. when the coordinator has decided a round of a cluster (``fl.<fed>.agg.closed.<cluster>``), acknowledges
-   and drops what it holds of that round or an earlier one of the cluster, and any such update that comes
-   later. The decisions are kept in a small JetStream stream (the last per cluster), which a worker reads
-   when it starts: a worker started after a round was decided drops that round's stray updates too.
+4. when the coordinator has decided a round of a cluster (``fl.<fed>.agg.closed.<cluster>``, naming its
+   masking session), acknowledges and drops what it holds of it, and, for a masked round, any of its updates
+   that comes later. The last decision per cluster is kept in a small JetStream stream, which a worker reads
+   when it starts. Partials are kept apart by masking session: another attempt at a round, or a federation
+   started over under the same name, is never summed with an earlier one.
 
 A worker killed at any point loses nothing: whatever it had not acknowledged is delivered again, to another
 worker, once the acknowledgement deadline passes; a partial it had sent is either counted (its updates, if
