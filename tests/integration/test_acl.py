@@ -704,12 +704,7 @@ async def test_nats_a_reissued_devices_old_certificate_is_refused_its_new_one_wo
     shutil.copytree(fb.root / "devices" / "a", old)
     add_device(fb.root, "a", force=True)  # a new key and certificate; the old one revoked as superseded
     cluster = fb.cluster
-    before = [_reloads(n.log_text()) for n in cluster.nodes]
-    cluster.reload()
-    for _ in range(100):
-        if all(_reloads(n.log_text()) > k for n, k in zip(cluster.nodes, before, strict=True)):
-            break
-        await asyncio.sleep(0.05)
+    await _reload(cluster)
     assert not [line for line in cluster.log_text().splitlines() if "Failed to reload" in line]
     for index in (1, 2, 3):
         with pytest.raises(ConnectError):
@@ -725,6 +720,17 @@ def _reloads(log: str) -> int:
     return log.count("Reloaded server configuration") + log.count("Failed to reload server configuration")
 
 
+async def _reload(cluster: NatsClusterBroker) -> bool:
+    """SIGHUP every node; whether each logged a reload (done or failed) within 5 s."""
+    before = [_reloads(n.log_text()) for n in cluster.nodes]
+    cluster.reload()
+    for _ in range(100):
+        if all(_reloads(n.log_text()) > k for n, k in zip(cluster.nodes, before, strict=True)):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 async def test_a_revoked_device_is_refused_after_reload(fb: FleetBroker, tmp_path: Path) -> None:
     kept = tmp_path / "c-kit"
     shutil.copytree(fb.root / "devices" / "c", kept)  # the device still has its kit
@@ -735,13 +741,7 @@ async def test_a_revoked_device_is_refused_after_reload(fb: FleetBroker, tmp_pat
     if fb.kind == "nats":
         # revoke_device rewrote fleet.conf (the user of c's certificate is gone); SIGHUP every node
         cluster = fb.cluster
-        before = [_reloads(n.log_text()) for n in cluster.nodes]
-        cluster.reload()
-        for _ in range(100):
-            if all(_reloads(n.log_text()) > k for n, k in zip(cluster.nodes, before, strict=True)):
-                break
-            await asyncio.sleep(0.05)
-        else:
+        if not await _reload(cluster):
             raise AssertionError("a NATS node logged no reload after SIGHUP")
         failed = [line for line in cluster.log_text().splitlines() if "Failed to reload" in line]
         assert not failed, failed[0][:400]

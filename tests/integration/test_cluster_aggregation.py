@@ -10,12 +10,13 @@ coordinator's :class:`PartialCollector` asks the workers for the round's sums ov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -138,11 +139,17 @@ async def _publish(root: Path, cluster: NatsCluster, payloads: dict[str, bytes],
             await t.publish(f"fl/{FED}/up/{cid}/update", payloads[cid])
 
 
-async def _collector(root: Path, n_values: int) -> tuple[object, PartialCollector]:
+@contextlib.asynccontextmanager
+async def _collector(root: Path, n_values: int) -> AsyncIterator[PartialCollector]:
+    """The coordinator's side of the workers, over NATS with the coordinator's kit; stopped afterwards."""
     nc = await connect_kit(root / "coordinator", "coordinator", kit_urls(root / "aggregator"))
     collector = PartialCollector(nc, FED, load_he(root / "coordinator" / "he", secret=False), n_values)
     await collector.start()
-    return nc, collector
+    try:
+        yield collector
+    finally:
+        await collector.stop()
+        await nc.close()
 
 
 def test_every_update_is_summed_once_when_a_worker_and_a_node_die(fleet: tuple[Path, NatsCluster]) -> None:
@@ -151,8 +158,7 @@ def test_every_update_is_summed_once_when_a_worker_and_a_node_die(fleet: tuple[P
     workers = _workers(root, 3)
 
     async def run() -> None:
-        nc, collector = await _collector(root, N_VALUES)
-        try:
+        async with _collector(root, N_VALUES) as collector:
             await _publish(root, cluster, payloads, DEVICES[:6])
             await asyncio.sleep(1.0)  # the workers take the first six
             workers[0].send_signal(signal.SIGKILL)  # holding updates it never acknowledged
@@ -181,9 +187,6 @@ def test_every_update_is_summed_once_when_a_worker_and_a_node_die(fleet: tuple[P
             he = load_he(root / "he")
             bound = he.fixed.error_bound(len(DEVICES), mine.total_weight)
             assert np.abs(he.decrypt_aggregate(mine)[:N_VALUES] - mean).max() <= bound
-        finally:
-            await collector.stop()
-            await nc.close()  # type: ignore[attr-defined]
 
     try:
         asyncio.run(run())
@@ -200,8 +203,7 @@ def test_masked_plaintext_sums_equal_one_process_and_late_partials_are_dropped(
     workers = _workers(root, 2)
 
     async def run() -> None:
-        nc, collector = await _collector(root, N_VALUES)
-        try:
+        async with _collector(root, N_VALUES) as collector:
             await _publish(root, cluster, payloads, DEVICES)
             got = await collector.collect(2, 0, set(DEVICES), deadline_s=60, session="s2")
             assert not got.missing and got.combined.codes is not None
@@ -210,9 +212,6 @@ def test_masked_plaintext_sums_equal_one_process_and_late_partials_are_dropped(
             # a round the coordinator closed: an update for it now is dropped, never counted anywhere
             late = await collector.collect(2, 0, set(DEVICES), deadline_s=1.5, session="s2")
             assert late.combined.samples == {}
-        finally:
-            await collector.stop()
-            await nc.close()  # type: ignore[attr-defined]
 
     try:
         asyncio.run(run())

@@ -33,7 +33,7 @@ from typing import Any
 
 from fedsdk.crypto import HEBackend
 from fedsdk.errors import ValidationError
-from fedsdk_coordinator.scale.partial import Combined, Overlap
+from fedsdk_coordinator.scale.partial import Combined, Overlap, read_partial
 from fedsdk_coordinator.scale.worker import agg_subject
 
 __all__ = ["Collected", "PartialCollector"]
@@ -142,13 +142,13 @@ class PartialCollector:
     async def _on_partial(self, msg: Any) -> None:
         """Count one partial, or refuse it (module docstring); always answer."""
         verdict: dict[str, Any]
+        data = bytes(msg.data)
         try:
-            data = bytes(msg.data)
-            head = json.loads(data[9 : 9 + int.from_bytes(data[5:9], "little")])
-            key = (int(head["round_id"]), int(head["cluster_id"]))
-        except (ValueError, KeyError, TypeError):
-            await msg.respond(json.dumps({"ok": False, "reason": "malformed"}).encode())
+            head, _ = read_partial(data)
+        except ValidationError as exc:
+            await msg.respond(json.dumps({"ok": False, "reason": str(exc)}).encode())
             return
+        key = (head.round_id, head.cluster_id)
         entry = self._open.get(key)
         if entry is None:
             verdict = {"ok": False, "closed": True, "reason": f"round {key[0]} is not being collected"}
@@ -167,6 +167,6 @@ class PartialCollector:
             except ValidationError as exc:
                 out.refused += 1
                 log.warning("round %d: a partial sum refused: %s", key[0], exc)
-                stray = sorted(set(head.get("samples", {})) - (expected or set())) if expected else []
+                stray = sorted(set(head.samples) - expected) if expected else []
                 verdict = {"ok": False, "counted": stray, "reason": str(exc)}
         await msg.respond(json.dumps(verdict).encode())

@@ -60,6 +60,7 @@ class PartialHeader:
     n_values: int = 0
     weights: dict[str, int] = field(default_factory=dict)  # masked: the FedAvg weights (HE: in the sum)
     busy_s: float = 0.0  # the worker's seconds adding these updates
+    masked: bool = False  # HE: the contributions carry secure-aggregation masks
 
 
 class Partial:
@@ -123,7 +124,8 @@ class Partial:
             "samples": self.samples, "busy_s": self.busy_s,
         }  # fmt: skip
         if self._running is not None:
-            header["kind"], body = HE, self._running.export()
+            header.update(kind=HE, masked=self._running.masked)
+            body = self._running.export()
         else:
             assert self._codes is not None
             header.update(
@@ -151,6 +153,7 @@ def read_partial(data: bytes) -> tuple[PartialHeader, bytes]:
             n_values=int(raw.get("n_values", 0)),
             weights={str(k): int(v) for k, v in dict(raw.get("weights", {})).items()},
             busy_s=float(raw.get("busy_s", 0.0)),
+            masked=bool(raw.get("masked", False)),
         )
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise ValidationError("bad_field", f"unusable partial sum: {exc}") from exc
@@ -176,9 +179,9 @@ class Combined:
         self._bits = 0
 
     def absorb(self, data: bytes, expected: set[str] | None = None) -> PartialHeader:
-        """Add one partial. :class:`Overlap` when it names a sender already counted, :class:`ValidationError`
-        when it is of another round, cluster or kind, names a sender not ``expected`` or is malformed; in
-        every such case nothing of it is added."""
+        """Add one partial (bytes :meth:`Partial.export` wrote). :class:`Overlap` when it names a sender
+        already counted, :class:`ValidationError` when it is of another round, cluster or kind, names a
+        sender not ``expected`` or is malformed; in every such case nothing of it is added."""
         header, body = read_partial(data)
         if (header.round_id, header.cluster_id) != (self.round_id, self.cluster_id):
             raise ValidationError("stale_round", f"a partial of round {header.round_id}")
@@ -190,9 +193,8 @@ class Combined:
         if header.kind == HE:
             if self.he is None or self._codes is not None:
                 raise ValidationError("wrong_kind", "an encrypted partial here")
-            masked = _masked_flag(body)
             if self._running is None:
-                self._running = RunningSum(self.he, self.n_values, masked=masked, keep=False)
+                self._running = RunningSum(self.he, self.n_values, masked=header.masked, keep=False)
             try:
                 keys = self._running.absorb(body)
             except CryptoError as exc:
@@ -239,12 +241,3 @@ class Combined:
         return masked_mean(
             global_weights, self._codes, self._bits, [self.weights[k] for k in ordered], correction
         )
-
-
-def _masked_flag(body: bytes) -> bool:
-    """Whether an exported running sum is of masked contributions (its header says)."""
-    try:
-        (n,) = _LEN.unpack_from(body, 5)
-        return bool(json.loads(body[9 : 9 + n])["masked"])
-    except (ValueError, KeyError, TypeError, struct.error) as exc:
-        raise ValidationError("bad_field", f"unusable partial sum: {exc}") from exc

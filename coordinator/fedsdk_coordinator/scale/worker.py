@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from fedsdk._chunking import FrameRejected, parse_frame
 from fedsdk.errors import ConfigError, ValidationError
-from fedsdk.hekeys import load_he
+from fedsdk.kit import load_kit
 from fedsdk.protocol import EncryptedUpdate, Limits, MaskedUpdate, decode
 from fedsdk.ratelog import LimitedLog
 from fedsdk_coordinator.provision.nats import MAX_PAYLOAD, STREAM_BYTES, mqtt_subject, update_subject
@@ -204,8 +204,8 @@ async def prepare_stream(kit_dir: str | Path) -> str:
     published before the stream exists is acknowledged to the device over MQTT and kept by no one."""
     nc = await connect_kit(kit_dir, "prepare")
     try:
-        meta = json.loads((Path(kit_dir) / "fedsdk.json").read_text())
-        return await ensure_stream(nc.jetstream(), meta["federation"], min(3, len(kit_urls(kit_dir))))
+        federation = load_kit(kit_dir).federation
+        return await ensure_stream(nc.jetstream(), federation, min(3, len(kit_urls(kit_dir))))
     finally:
         await nc.close()
 
@@ -237,9 +237,9 @@ class AggregationWorker:
         urls: Iterable[str] | None = None,
     ) -> None:
         self.kit, self.name = Path(kit_dir), name
-        meta = json.loads((self.kit / "fedsdk.json").read_text())
-        self.federation: str = meta["federation"]
-        self.he = load_he(self.kit / "he", secret=False)
+        kit = load_kit(self.kit)
+        self.federation: str = kit.federation
+        self.he = kit.load_backend()  # the public key only: an aggregator kit holds no secret
         self.ack_wait, self.batch = float(ack_wait), int(batch)
         self.urls = list(urls) if urls is not None else kit_urls(self.kit)
         self.limits = Limits(max_message_bytes=MAX_PAYLOAD)
@@ -294,13 +294,16 @@ class AggregationWorker:
             with contextlib.suppress(Exception):
                 await nc.close()
 
+    def _decode(self, data: bytes) -> Any:
+        return decode(unframe(data), limits=self.limits)
+
     async def _take(self, msg: Any) -> None:
         """Check one update and add it to its partial (module docstring, step 1)."""
         self.stats.taken += 1
         if msg.metadata.num_delivered > 1:
             self.stats.again += 1
-        try:
-            update = decode(unframe(msg.data), limits=self.limits)
+        try:  # a 1 M-parameter update is megabytes to parse: off the loop that answers flushes
+            update = await asyncio.get_running_loop().run_in_executor(None, self._decode, msg.data)
             if not isinstance(update, EncryptedUpdate | MaskedUpdate):
                 raise ValidationError("wrong_kind", f"{type(update).__name__} on an update topic")
             if update.client_id != sender_of(msg.subject):
