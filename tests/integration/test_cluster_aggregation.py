@@ -262,12 +262,14 @@ def test_the_documented_commands_bring_up_a_cluster_and_its_workers(tmp_path: Pa
     assert "4 aggregation workers started" in err, err
 
 
+@pytest.mark.parametrize("strategy", ["fedsdk", "plaintext"])
 def test_a_federation_takes_its_sums_from_the_workers(
-    fleet: tuple[Path, NatsCluster], tmp_path: Path
+    fleet: tuple[Path, NatsCluster], tmp_path: Path, strategy: str
 ) -> None:
-    """``fedsdk coordinator --kit ... --aggregation-workers``: three ``fedsdk join`` devices (HE, secure
-    aggregation, key mode shared) on the cluster, two workers; every round's aggregate comes from the
-    workers' partial sums (``summed_by_workers``), the devices decrypt and apply it, the federation ends."""
+    """``fedsdk coordinator --kit ... --aggregation-workers``: three ``fedsdk join`` devices (HE or masked
+    plaintext, secure aggregation, key mode shared) on the cluster, two workers; every round's aggregate
+    comes from the workers' partial sums (``summed_by_workers`` in its record), the devices apply it, the
+    federation ends."""
     root, _cluster = fleet
     devices = DEVICES[:3]
     digits = load_digits(shape="flat")
@@ -284,7 +286,7 @@ def test_a_federation_takes_its_sums_from_the_workers(
     try:
         spawn("coordinator", [
             *fedsdk, "coordinator", "--kit", str(root / "coordinator"), "--aggregation-workers",
-            "--http", f"127.0.0.1:{free_port()}", "--strategy", "fedsdk", "--clustering", "off",
+            "--http", f"127.0.0.1:{free_port()}", "--strategy", strategy, "--clustering", "off",
             "--model", "mlp",
             "--rounds", "2", "--min-clients", "3", "--start-clients", "3", "--exit-when-done",
             "--state-dir", str(tmp_path / "state"),

@@ -83,7 +83,8 @@ class FedAvg(Strategy):
 
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
         result = await self._from_workers(rnd, valid, inputs) if rnd.session and self.collector else None
-        if result is not None:
+        by_workers = result is not None
+        if by_workers:
             pass
         elif rnd.session:
             assert inputs.correction is not None
@@ -104,4 +105,6 @@ class FedAvg(Strategy):
             total_samples=result.total_samples,
             metrics=inputs.tag(metrics),
         )
+        if self.collector is not None:  # the round record says where the sum was formed; devices need not
+            metrics = {**metrics, "summed_by_workers": float(by_workers)}
         return Aggregated(encode(agg), result.num_clients, result.total_samples, weights=new, metrics=metrics)
