@@ -84,7 +84,7 @@ class FedAvg(Strategy):
     async def aggregate(self, rnd: RoundState, valid: list[Any], inputs: AggregationInputs) -> Aggregated:
         result = await self._from_workers(rnd, valid, inputs) if rnd.session and self.collector else None
         by_workers = result is not None
-        if by_workers:
+        if result is not None:
             pass
         elif rnd.session:
             assert inputs.correction is not None
