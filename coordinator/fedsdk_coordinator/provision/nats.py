@@ -65,6 +65,8 @@ __all__ = [
 NATS_DIR = "nats"
 #: The largest message a client may publish (NATS ``max_payload``).
 MAX_PAYLOAD = 8 * 1024 * 1024
+#: Consumers a stream may have (``jetstream.limits.default_max_consumers``, nats-server 2.15 or later).
+MAX_CONSUMERS = 10_000_000
 #: The most the update stream keeps on each node's disk before it refuses new updates.
 STREAM_BYTES = 8 * 1024**3
 
@@ -196,6 +198,9 @@ jetstream {{
   store_dir: "{folder}/data/node-{index + 1}"
   max_memory_store: 268435456
   max_file_store: {2 * STREAM_BYTES}
+  # every QoS 1 MQTT subscription is a consumer of the stream $MQTT_msgs (3 a device); NATS 2.15 caps a
+  # stream at 1,000 consumers unless told otherwise (the 1,001st subscription is refused)
+  limits {{ default_max_consumers: {MAX_CONSUMERS} }}
 }}
 
 cluster {{

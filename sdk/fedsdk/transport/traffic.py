@@ -199,7 +199,8 @@ class Traffic:
             raise TransportError(
                 f"the broker refused the subscription to {', '.join(refused)} (SUBACK failure): its ACL "
                 "does not let this client read it; check the federation, and that the client certificate "
-                "is issued to this client id",
+                "is issued to this client id (on a NATS cluster, the node's log says whether it could not "
+                "make the subscription's consumer instead)",
                 client_id=self.client_id,
             )
 
