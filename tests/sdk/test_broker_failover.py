@@ -108,8 +108,8 @@ def test_from_url_checks_every_node_and_the_scheme_of_the_list() -> None:
         MqttTransport.from_url("mqtt://a:1883,mqtts://b:8883", client_id="x", insecure=True)
     with pytest.raises(ConfigError, match="insecure=True"):
         MqttTransport.from_url("mqtt://a:1883,mqtt://b:1883", client_id="x")
-    t = MqttTransport.from_url("mqtt://a:1883,mqtt://b:1884", client_id="x", insecure=True)
-    assert (t.host, t.port) == ("a", 1883)  # not connected: the node it will try first
+    t = MqttTransport.from_url("mqtt://a:1883,mqtt://b:1884", client_id="x", insecure=True, start_node=1)
+    assert (t.host, t.port) == ("b", 1884)  # not connected: the node it will try first
 
 
 # ------------------------------------------------------------------------------------------ failover
@@ -119,7 +119,7 @@ async def test_connect_skips_a_dead_node_and_uses_the_live_one(
 ) -> None:
     """The first node of the list is down: connect() goes on to the next one at once (no backoff before
     every node has failed in turn) and the transport reports the node it is on."""
-    t = plain(f"{stopped.url},{mosquitto.url}", "skips-dead")
+    t = plain(f"{stopped.url},{mosquitto.url}", "skips-dead", start_node=0)
     started = time.monotonic()
     async with t:
         assert time.monotonic() - started < 2.0
@@ -128,6 +128,29 @@ async def test_connect_skips_a_dead_node_and_uses_the_live_one(
         await t.subscribe(f"{unique_topic}/#")
         await round_trip(t, f"{unique_topic}/x", b"through the live node")
     assert t.stats["reconnects"] == 0
+
+
+@pytest.mark.broker
+async def test_a_fleet_with_one_node_list_spreads_over_the_nodes(
+    mosquitto: MosquittoProcess, tmp_path: Path
+) -> None:
+    """Devices whose kits list the same nodes in the same order start on nodes drawn at random, so both
+    nodes get devices (all on the first overran one node: measured). P(all 24 on one node) = 2^-23."""
+    other = start_mosquitto(tmp_path / "other")
+    transports = [plain(f"{mosquitto.url},{other.url}", f"spread-{i}") for i in range(24)]
+    try:
+        for t in transports:
+            await t.connect()
+        ports = {t.port for t in transports}
+    finally:
+        await asyncio.gather(*(t.close() for t in transports))
+        other.stop()
+    assert ports == {mosquitto.port, other.port}
+
+
+def test_start_node_must_name_one_of_the_brokers() -> None:
+    with pytest.raises(ConfigError, match="start_node 2 is not one of the 2 brokers"):
+        plain("mqtt://127.0.0.1:1883,mqtt://127.0.0.1:1884", "x", start_node=2)
 
 
 @pytest.mark.broker
@@ -148,7 +171,8 @@ async def test_a_lost_link_fails_over_to_another_node(
     """Connected to the live node (the first, ``stopped``, is down); that broker dies and the first comes back
     on its port: the transport reconnects there by itself, re-subscribes, and a publish round-trips. A link
     that only retried the node it was on would never reconnect."""
-    t = plain(f"{stopped.url},{mosquitto.url}", "fails-over", reconnect_min=0.1, reconnect_max=1.0)
+    urls = f"{stopped.url},{mosquitto.url}"
+    t = plain(urls, "fails-over", reconnect_min=0.1, reconnect_max=1.0, start_node=0)
     reconnects: list[int] = []
     t.on_reconnect = reconnects.append
     async with t:
@@ -174,7 +198,8 @@ async def test_close_during_a_reconnect_attempt_ends_the_transport(
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # connections complete in the backlog; nobody ever reads them
         port = silent.getsockname()[1]
-        t = plain(f"{mosquitto.url},mqtt://127.0.0.1:{port}", "closes", reconnect_min=0.1, timeout=10.0)
+        urls = f"{mosquitto.url},mqtt://127.0.0.1:{port}"
+        t = plain(urls, "closes", reconnect_min=0.1, timeout=10.0, start_node=0)
         await t.connect()
         try:
             await asyncio.to_thread(mosquitto.kill)

@@ -14,8 +14,11 @@ Decisions (no paper specifies the transport):
 
 * Reconnects after the first successful connect are automatic and endless, with capped exponential backoff
   and "equal jitter" (sleep uniformly in [d/2, d], d doubling from ``reconnect_min`` to ``reconnect_max``).
-* Several broker addresses (the nodes of a broker cluster): every failed attempt moves to the next node, and a
-  lost link is retried on the next node first (the one it was on may be the one that died). The backoff
+* Several broker addresses (the nodes of a broker cluster): a link starts on a node drawn at random, so
+  that a fleet whose kits list the same nodes in the same order spreads over them (all on the first, 1,000
+  devices overran one node of three while the others idled: measured). Every failed attempt moves to the
+  next node, and a lost link is retried on the next node first (the one it was on may be the one that
+  died). The backoff
   doubles only once every node has failed in turn, so a node's death costs one short pause, not a backoff.
 * ``TCP_NODELAY`` on every connection (Nagle's algorithm off): a federation's messages are small and
   latency-bound (a 4-byte PUBACK, then a publish), and with Nagle on, the second of two small writes waits
@@ -175,10 +178,14 @@ class PahoLink:
         reconnect_min: float,
         reconnect_max: float,
         session_id: str | None = None,
+        start_node: int | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("a link needs at least one broker address")
-        self.addresses, self._at = tuple(addresses), 0
+        self.addresses = tuple(addresses)
+        # where each turn through the nodes starts: given, or drawn at random
+        self._first = random.randrange(len(self.addresses)) if start_node is None else start_node
+        self._at = self._first
         self.client_id = client_id
         self.session_id = session_id or client_id  # the MQTT client id (random on a cluster: mqtt.py)
         self._tls, self._ssl_context = tls, (tls.ssl_context() if tls is not None else None)
@@ -213,7 +220,7 @@ class PahoLink:
     def next_node(self) -> bool:
         """Move to the next broker node; True when that starts a new turn through the list."""
         self._at = (self._at + 1) % len(self.addresses)
-        return self._at == 0
+        return self._at == self._first
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Make the paho client and the executor for blocking calls; no connection yet."""

@@ -13,8 +13,8 @@ Decisions (no paper specifies the transport):
 
 * TLS is on by default; plain TCP needs ``insecure=True`` and logs a WARNING on every connect.
 * Several brokers (``fallbacks``, or a comma-separated URL list in :meth:`~MqttTransport.from_url`) are the
-  nodes of one broker cluster: the client connects to one, and when that fails or the link is lost it goes
-  on to the next (:mod:`fedsdk.transport.link`).
+  nodes of one broker cluster: the client connects to one (drawn at random unless ``start_node``), and when
+  that fails or the link is lost it goes on to the next (:mod:`fedsdk.transport.link`).
 * On a broker cluster the MQTT client id is the client id plus a random suffix, drawn once per transport
   (``session_suffix``; on by default with several brokers and a clean session). NATS, unlike mosquitto
   (``use_username_as_clientid``), does not tie the MQTT client id to the certificate: a device connecting
@@ -85,6 +85,7 @@ class MqttTransport:
         rate_limit_bytes_per_s: float | None = None,
         fallbacks: Sequence[tuple[str, int]] = (),
         session_suffix: bool | None = None,
+        start_node: int | None = None,
     ) -> None:
         if tls is None and not insecure:
             raise ConfigError("TLS is required: pass tls=TlsConfig(...), or insecure=True for plain TCP")
@@ -99,6 +100,8 @@ class MqttTransport:
             raise ConfigError("timeout, keepalive > 0 and 0 < reconnect_min <= reconnect_max required")
         if not 1 <= chunk_size <= 2**28 or max_inflight < 1 or max_message_bytes < 1:
             raise ConfigError("chunk_size in 1..2**28, max_inflight >= 1, max_message_bytes >= 1 required")
+        if start_node is not None and not 0 <= start_node <= len(fallbacks):
+            raise ConfigError(f"start_node {start_node} is not one of the {len(fallbacks) + 1} brokers")
         if will is not None:
             check_topic(will.topic, wildcards=False)
         self.client_id = client_id
@@ -109,6 +112,7 @@ class MqttTransport:
             ((host, port), *fallbacks),
             client_id=client_id,
             session_id=self.session_id,
+            start_node=start_node,
             tls=tls,
             keepalive=keepalive,
             timeout=timeout,
