@@ -218,7 +218,7 @@ async def _mqtt_and_rounds_ctx(app: web.Application) -> AsyncIterator[None]:
     app[REGISTRY] = CollectorRegistry(auto_describe=False)
     app[REGISTRY].register(FederationCollector(engine.health, app[STORE], transport))
     async with transport:
-        await transport.subscribe(T.up_filter(cfg.rounds.federation))
+        await transport.subscribe(T.up_filter(cfg.rounds.federation), qos=1)  # paced, never dropped
 
         async def receive() -> None:
             try:

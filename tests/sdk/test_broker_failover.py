@@ -148,6 +148,27 @@ async def test_a_fleet_with_one_node_list_spreads_over_the_nodes(
     assert ports == {mosquitto.port, other.port}
 
 
+@pytest.mark.broker
+async def test_on_a_cluster_subscriptions_are_qos_0_unless_asked(
+    mosquitto: MosquittoProcess, stopped: MosquittoProcess, unique_topic: str
+) -> None:
+    """A clean session on several nodes subscribes with QoS 0 (no JetStream consumer per subscription on
+    NATS): a QoS 1 publish comes back at QoS 0; asked for QoS 1, or on one broker, it stays QoS 1."""
+    got = {}
+    for name, url, qos in (
+        ("cluster", f"{stopped.url},{mosquitto.url}", None),
+        ("cluster-asked", f"{stopped.url},{mosquitto.url}", 1),
+        ("single", mosquitto.url, None),
+    ):
+        t = plain(url, f"qos-{name}", start_node=1 if "," in url else None)
+        async with t:
+            messages = t.messages()
+            await t.subscribe(f"{unique_topic}/{name}", qos=qos)
+            await t.publish(f"{unique_topic}/{name}", b"x", qos=1)
+            got[name] = (await asyncio.wait_for(messages.__anext__(), WAIT)).qos
+    assert got == {"cluster": 0, "cluster-asked": 1, "single": 1}
+
+
 def test_start_node_must_name_one_of_the_brokers() -> None:
     with pytest.raises(ConfigError, match="start_node 2 is not one of the 2 brokers"):
         plain("mqtt://127.0.0.1:1883,mqtt://127.0.0.1:1884", "x", start_node=2)

@@ -73,6 +73,7 @@ def analyse(
         results = [row for x in recs for row in x.get("results", [])]
         reply_s = [row["metrics"].get("reply_s", 0.0) for row in results if row["status"] == "update"]
         aggregated = sum(int(x["num_clients"]) for x in recs if x["state"] == "done")
+        checks = [c for c in coordinator.get("worker_sums", []) if c["round"] == r]
         rounds_out.append(
             {
                 "round": r,
@@ -86,6 +87,9 @@ def analyse(
                 "samples_aggregated": sum(int(x["total_samples"]) for x in recs if x["state"] == "done"),
                 "round_s": max((float(x["metrics"].get("round_s", 0.0)) for x in recs), default=0.0),
                 "updates_in_s": max(reply_s, default=0.0),
+                # --cluster: every cluster's sum from the workers, the same bytes as the coordinator's own
+                "summed_by_workers": bool(checks) and all(c["summed_by_workers"] == 1.0 for c in checks),
+                "equal_to_own_sum": bool(checks) and all(c["equal"] for c in checks),
                 "test_accuracy": next(
                     (x["metrics"]["test_accuracy"] for x in recs if "test_accuracy" in x["metrics"]), None
                 ),
@@ -118,6 +122,7 @@ def analyse(
         and not outcome["device_errors"]
         and not outcome["worker_errors"]
         and not outcome["rejected"]
+        and _workers_ok(config, rounds_out)
     )
     timing = {
         "join_s": None if joined_at is None else joined_at - times["devices_start"],
@@ -139,6 +144,15 @@ def analyse(
     }
 
 
+def _workers_ok(config: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]]) -> bool:
+    """With ``cluster``: every round's sums came from the aggregation workers and equal the coordinator's."""
+    return not config.get("cluster") or all(r["summed_by_workers"] and r["equal_to_own_sum"] for r in rounds)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
 def format_table(report: Mapping[str, Any]) -> str:
     """The human summary of a report: one line per figure."""
     c, m, t, o = report["config"], report["memory"], report["timing"], report["outcome"]
@@ -149,13 +163,15 @@ def format_table(report: Mapping[str, Any]) -> str:
         f"secure aggregation {'on' if c.get('secagg', True) else 'off'}, "
         f"{'mutual TLS' if c['tls'] else 'plain TCP on loopback (insecure)'}, model {c['model']}",
         f"  local work: {c['samples']} samples x {c['epochs']} epoch(s), batch {c['batch_size']}; "
-        f"probe {c['probe_bytes']} B; mosquitto max_queued_messages {c['max_queued']}",
+        f"probe {c['probe_bytes']} B; "
+        + (mach.get("broker", "") if c.get("cluster") else f"mosquitto queue {c['max_queued']}"),
         f"  machine: {mach.get('cpu')}, {mach.get('logical_cores')} cores, {mach.get('memory_mb')} MiB; "
         f"load average before {' '.join(f'{x:.2f}' for x in mach.get('loadavg_before', []))}, "
         f"after {' '.join(f'{x:.2f}' for x in mach.get('loadavg_after', []))}",
         "",
         f"  {'round':>5s} {'state':>6s} {'aggregated':>11s} {'lost':>5s} {'samples':>15s} "
-        f"{'updates in':>11s} {'round':>8s} {'accuracy':>9s}",
+        f"{'updates in':>11s} {'round':>8s} {'accuracy':>9s}"
+        + ("  by workers, = own sum" if c.get("cluster") else ""),
     ]
     for r in report["rounds"]:
         acc = r["test_accuracy"]
@@ -163,6 +179,7 @@ def format_table(report: Mapping[str, Any]) -> str:
             f"  {r['round']:5d} {r['state']:>6s} {r['updates_aggregated']:5d}/{r['updates_expected']:<5d} "
             f"{r['updates_lost']:5d} {r['samples_aggregated']:7d}/{r['samples_expected']:<7d} "
             f"{r['updates_in_s']:10.2f}s {r['round_s']:7.2f}s {'-' if acc is None else f'{acc:.4f}':>9s}"
+            + (f"  {_yes(r['summed_by_workers'])}, {_yes(r['equal_to_own_sum'])}" if c.get("cluster") else "")
         )
     join = t["join_s"]
     lines += [
@@ -173,7 +190,8 @@ def format_table(report: Mapping[str, Any]) -> str:
         f"{m['coordinator_rss_peak_bytes'] / MB:.1f} MiB "
         f"(with children {m['coordinator_tree_rss_peak_bytes'] / MB:.1f} MiB; "
         f"ru_maxrss {m['coordinator_maxrss_bytes'] / MB:.1f} MiB)",
-        f"  broker RSS peak               {m['broker_rss_peak_bytes'] / MB:.1f} MiB",
+        f"  broker RSS peak               {m['broker_rss_peak_bytes'] / MB:.1f} MiB"
+        + (" (node 1 of 3)" if c.get("cluster") else ""),
         f"  coordinator CPU               {t['coordinator_cpu_s'] or 0.0:.2f} s",
     ]
     for name in ("train_s", "upload_s", "update_bytes"):

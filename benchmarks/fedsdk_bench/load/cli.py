@@ -48,9 +48,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--key-bits", type=int, default=d["key_bits"], help="Paillier modulus (--strategy fedsdk)")
     p.add_argument("--pool", type=int, default=d["pool"], help="obfuscator pool per device (HE; 0: none)")
     p.add_argument("--tls", action="store_true", help="mutual TLS, a development certificate per device")
+    p.add_argument(
+        "--cluster", type=int, default=d["cluster"], metavar="N",
+        help="a provisioned 3-node NATS cluster and N aggregation workers (fedsdk cluster up) instead of "
+        "mosquitto; mutual TLS; checks that every sum came from the workers and equals the coordinator's own",
+    )  # fmt: skip
     p.add_argument("--probe-bytes", type=int, default=d["probe_bytes"], help="uplink probe size per device")
     p.add_argument("--max-queued", type=int, default=d["max_queued"], help="mosquitto max_queued_messages")
     p.add_argument("--deadline", type=float, default=d["deadline_s"], help="round deadline, seconds")
+    p.add_argument(
+        "--secagg-wait", type=float, default=d["secagg_wait_s"],
+        help="seconds each masking stage waits for keys and shares (at most a third of the deadline)",
+    )  # fmt: skip
     p.add_argument("--join-timeout", type=float, default=d["join_timeout_s"], help="seconds for all to join")
     p.add_argument("--timeout", type=float, default=d["timeout_s"], help="the whole federation, seconds")
     p.add_argument("--seed", type=int, default=d["seed"])
@@ -77,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             key_bits=args.key_bits,
             pool=args.pool,
             tls=args.tls,
+            cluster=args.cluster,
             probe_bytes=args.probe_bytes,
             max_queued=args.max_queued,
             deadline_s=args.deadline,
+            secagg_wait_s=args.secagg_wait,
             join_timeout_s=args.join_timeout,
             timeout_s=args.timeout,
             seed=args.seed,

@@ -45,6 +45,7 @@ class CoordinatorSpec:
     lr: float
     seed: int
     deadline_s: float
+    secagg_wait_s: float
     join_timeout_s: float
     report_timeout_s: float
     timeout_s: float
@@ -55,6 +56,7 @@ class CoordinatorSpec:
     tls: TlsConfig | None = None
     he_dir: Path | None = None
     leave_grace_s: float = 30.0
+    aggregation_nats: tuple[str, ...] = ()  # a NATS cluster's URLs: sums from its aggregation workers
 
 
 def _maxrss_bytes(who: int) -> int:
@@ -101,6 +103,28 @@ async def _watch_state(engine: Any, out: dict[str, Any]) -> None:
         await asyncio.sleep(0.02)
 
 
+def _check_workers(strategy: Any, checks: list[dict[str, Any]]) -> None:
+    """Make ``strategy`` form each aggregate twice: as configured (from the aggregation workers' partial
+    sums) and then by itself from the updates it holds (the coordinator still receives every one), and
+    record whether the two aggregate messages are the same bytes. The first one is published."""
+    original = strategy.aggregate
+
+    async def aggregate(rnd: Any, valid: list[Any], inputs: Any) -> Any:
+        got = await original(rnd, valid, inputs)
+        collector, strategy.collector = strategy.collector, None
+        try:
+            own = await original(rnd, valid, inputs)
+        finally:
+            strategy.collector = collector
+        checks.append({
+            "round": rnd.round_id, "cluster": rnd.cluster_id, "updates": len(valid),
+            "summed_by_workers": got.metrics.get("summed_by_workers"), "equal": got.envelope == own.envelope,
+        })  # fmt: skip
+        return got
+
+    strategy.aggregate = aggregate
+
+
 async def _coordinate(spec: CoordinatorSpec, ready: Any, out: dict[str, Any]) -> None:
     from aiohttp import web
 
@@ -113,6 +137,7 @@ async def _coordinate(spec: CoordinatorSpec, ready: Any, out: dict[str, Any]) ->
         min_clients=min(2, spec.devices),
         start_clients=spec.devices,
         deadline_s=spec.deadline_s,
+        secagg_wait_s=spec.secagg_wait_s,
         join_timeout_s=spec.join_timeout_s,
         report_timeout_s=spec.report_timeout_s,
         lr=spec.lr,
@@ -133,6 +158,7 @@ async def _coordinate(spec: CoordinatorSpec, ready: Any, out: dict[str, Any]) ->
         insecure=spec.tls is None,
         mqtt_timeout=30.0,
         he_dir=spec.he_dir,
+        aggregation_nats=spec.aggregation_nats,
     )
     app = create_app(config)
     runner = web.AppRunner(app, handle_signals=False)
@@ -140,6 +166,8 @@ async def _coordinate(spec: CoordinatorSpec, ready: Any, out: dict[str, Any]) ->
     watcher: asyncio.Task[None] | None = None
     try:
         engine, store = app[ENGINE], app[STORE]
+        if spec.aggregation_nats:
+            _check_workers(engine.strategy, out.setdefault("worker_sums", []))
         watcher = asyncio.create_task(_watch_state(engine, out), name="loadtest-state-watch")
         out["ready_at"] = time.time()
         ready.set()

@@ -16,6 +16,7 @@ HE aggregation workers), and the kernel's high-water mark ``ru_maxrss`` the proc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ import psutil
 from fedsdk.errors import ConfigError, FedError
 from fedsdk.pipeline import sketch_min_samples
 from fedsdk_bench.load.analysis import analyse, machine_info
+from fedsdk_bench.load.cluster import ClusterBroker, cluster_broker
 from fedsdk_bench.load.coordinator import CoordinatorSpec, coordinator_main
 from fedsdk_bench.load.devices import WorkerSpec, worker_main
 from fedsdk_coordinator.engine.config import SKETCH_DIM
@@ -71,9 +73,11 @@ class LoadConfig:
     key_bits: int = 2048
     pool: int = 0
     tls: bool = False
+    cluster: int = 0  # > 0: a 3-node NATS cluster and this many aggregation workers (load/cluster.py)
     probe_bytes: int = 16 * 1024
     max_queued: int = 100_000
     deadline_s: float = 300.0
+    secagg_wait_s: float = 10.0  # each masking stage's wait for keys and shares (the coordinator's default)
     join_timeout_s: float = 300.0
     timeout_s: float = 900.0
     seed: int = 0
@@ -82,6 +86,8 @@ class LoadConfig:
     workdir: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.cluster:  # a fleet cluster admits only its certificates
+            object.__setattr__(self, "tls", True)
         least = sketch_min_samples({"sketch_dim": SKETCH_DIM}, DIGIT_PIXELS) if self.clustering else 1
         if self.samples is None:
             object.__setattr__(self, "samples", max(PLAIN_SAMPLES, least))
@@ -207,11 +213,10 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
             _slices(config.devices, config.local_samples, config.seed, len(digits.y_train), digits.y_train),
         )
     )
-    pki = make_dev_pki(work / "pki", client_ids=ids) if config.tls else None
-    he_coord, he_device = (
-        _make_he_keys(work, config.key_bits) if config.strategy != "plaintext" else (None, None)
-    )
     federation = f"load{secrets.token_hex(3)}"
+    he = config.strategy != "plaintext"
+    pki = make_dev_pki(work / "pki", client_ids=ids) if config.tls and not config.cluster else None
+    he_coord, he_device = _make_he_keys(work, config.key_bits) if he and not config.cluster else (None, None)
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no inherited threads or sockets
@@ -219,7 +224,9 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
     sampler: RssSampler | None = None
     load_before = os.getloadavg()
     times: dict[str, float] = {"start": t_start}
-    with LoopbackMosquitto(work / "broker", tls=pki, max_queued=config.max_queued) as broker:
+    with _broker(work, config, pki, ids, federation) as broker:
+        if isinstance(broker, ClusterBroker):
+            he_coord, he_device = broker.he_coordinator, broker.he_device
         cspec = CoordinatorSpec(
             broker_url=broker.url,
             federation=federation,
@@ -234,6 +241,7 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
             lr=config.lr,
             seed=config.seed,
             deadline_s=config.deadline_s,
+            secagg_wait_s=config.secagg_wait_s,
             join_timeout_s=config.join_timeout_s,
             report_timeout_s=min(60.0, config.deadline_s),
             timeout_s=config.timeout_s,
@@ -241,8 +249,9 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
             out_file=work / "coordinator.json",
             log_file=logs / "coordinator.log",
             log_level=config.log_level,
-            tls=None if pki is None else pki.tls_for("coordinator"),
+            tls=_tls_for(broker, pki, "coordinator"),
             he_dir=he_coord,
+            aggregation_nats=broker.nats_urls if isinstance(broker, ClusterBroker) else (),
         )
         try:
             ready = ctx.Event()
@@ -268,7 +277,7 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
                     log_file=logs / f"worker-{w:03d}.log",
                     run_timeout_s=config.timeout_s,
                     probe_bytes=config.probe_bytes,
-                    tls=None if pki is None else {cid: pki.tls_for(cid) for cid in chunk},
+                    tls=None if not config.tls else {cid: _tls_for(broker, pki, cid) for cid in chunk},
                     he_dir=he_device,
                     pool=config.pool,
                 )
@@ -305,13 +314,33 @@ def _run_in(work: Path, config: LoadConfig) -> dict[str, Any]:
         "worker_maxrss_bytes": [w.get("maxrss_bytes", 0) for w in worker_out],
         "coordinator_timeline": sampler.timeline,
     }
-    machine = machine_info(broker.binary)
+    if isinstance(broker, ClusterBroker):
+        machine = machine_info()
+        machine["broker"] = f"3 NATS nodes ({broker.version()}), {config.cluster} aggregation workers"
+    else:
+        machine = machine_info(broker.binary)
     machine["loadavg_before"] = list(load_before)
     machine["loadavg_after"] = list(os.getloadavg())
     report = analyse(asdict(config), slices, coordinator, worker_out, memory, times, machine)
     report["workdir"] = str(work)
     report["broker_log_tail"] = broker.log_text()[-2000:]
     return report
+
+
+def _broker(
+    work: Path, config: LoadConfig, pki: Any, ids: list[str], federation: str
+) -> contextlib.AbstractContextManager[Any]:
+    """mosquitto on loopback, or with ``cluster`` the fleet's NATS cluster and its aggregation workers."""
+    if config.cluster:
+        return cluster_broker(work, ids, federation, workers=config.cluster, key_bits=config.key_bits,
+                              he=config.strategy != "plaintext")  # fmt: skip
+    return LoopbackMosquitto(work / "broker", tls=pki, max_queued=config.max_queued)
+
+
+def _tls_for(broker: Any, pki: Any, client_id: str) -> Any:
+    if isinstance(broker, ClusterBroker):
+        return broker.coordinator_tls if client_id == "coordinator" else broker.device_tls[client_id]
+    return None if pki is None else pki.tls_for(client_id)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

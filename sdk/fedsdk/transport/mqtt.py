@@ -20,6 +20,12 @@ Decisions (no paper specifies the transport):
   (``use_username_as_clientid``), does not tie the MQTT client id to the certificate: a device connecting
   with another's client id disconnects it (measured: a device could take the coordinator's session). An
   id nobody else knows cannot be taken. The identity the broker checks stays the certificate's.
+* There, subscriptions are QoS 0 unless asked otherwise. NATS makes every QoS 1 subscription a replicated
+  JetStream consumer: 3 a device, made at about 60 a second by a 3-node cluster on 2 cores (measured), so
+  1,000 devices joining at once waited past NATS's 5 s and were refused. With a clean session QoS 1 keeps
+  nothing across a lost connection anyway, and what a device misses then, the coordinator sends again after
+  its hello. Publishing stays QoS 1 (acknowledged by the broker). The coordinator subscribes with QoS 1:
+  its one subscription carries every update, and a JetStream consumer paces it instead of dropping it.
 * The first :meth:`~MqttTransport.connect` retries transient failures (refused, unreachable) within
   ``timeout`` and fails at once on definitive ones (TLS verification, a CONNACK refusal, the broker closing
   the connection before CONNACK, as mosquitto does with TLS 1.3 when the client certificate is missing or
@@ -50,6 +56,34 @@ __all__ = ["MqttTransport"]
 
 log = logging.getLogger("fedsdk.transport")
 progress = logging.getLogger("fedsdk.progress")  # the one "waiting for the broker" line the CLI shows
+
+
+def _check_options(
+    addresses: Sequence[tuple[str, int]], client_id: str, tls: TlsConfig | None, insecure: bool,
+    times: tuple[float, float, float, float], sizes: tuple[int, int, int], start_node: int | None,
+    will: Will | None,
+) -> None:  # fmt: skip
+    """ConfigError for :class:`MqttTransport` arguments that cannot work (``times``: timeout, keepalive,
+    reconnect_min, reconnect_max; ``sizes``: chunk_size, max_inflight, max_message_bytes)."""
+    if tls is None and not insecure:
+        raise ConfigError("TLS is required: pass tls=TlsConfig(...), or insecure=True for plain TCP")
+    if tls is not None and insecure:
+        raise ConfigError("insecure=True asks for plain TCP but tls was given; choose one")
+    for h, p in addresses:
+        if not h or not 0 < p < 65536:
+            raise ConfigError(f"bad broker address {h!r}:{p}")
+    if not client_id:
+        raise ConfigError("client_id must not be empty")
+    timeout, keepalive, reconnect_min, reconnect_max = times
+    if timeout <= 0 or keepalive <= 0 or not 0 < reconnect_min <= reconnect_max:
+        raise ConfigError("timeout, keepalive > 0 and 0 < reconnect_min <= reconnect_max required")
+    chunk_size, max_inflight, max_message_bytes = sizes
+    if not 1 <= chunk_size <= 2**28 or max_inflight < 1 or max_message_bytes < 1:
+        raise ConfigError("chunk_size in 1..2**28, max_inflight >= 1, max_message_bytes >= 1 required")
+    if start_node is not None and not 0 <= start_node < len(addresses):
+        raise ConfigError(f"start_node {start_node} is not one of the {len(addresses)} brokers")
+    if will is not None:
+        check_topic(will.topic, wildcards=False)
 
 
 class MqttTransport:
@@ -87,27 +121,15 @@ class MqttTransport:
         session_suffix: bool | None = None,
         start_node: int | None = None,
     ) -> None:
-        if tls is None and not insecure:
-            raise ConfigError("TLS is required: pass tls=TlsConfig(...), or insecure=True for plain TCP")
-        if tls is not None and insecure:
-            raise ConfigError("insecure=True asks for plain TCP but tls was given; choose one")
-        for h, p in ((host, port), *fallbacks):
-            if not h or not 0 < p < 65536:
-                raise ConfigError(f"bad broker address {h!r}:{p}")
-        if not client_id:
-            raise ConfigError("client_id must not be empty")
-        if timeout <= 0 or keepalive <= 0 or not 0 < reconnect_min <= reconnect_max:
-            raise ConfigError("timeout, keepalive > 0 and 0 < reconnect_min <= reconnect_max required")
-        if not 1 <= chunk_size <= 2**28 or max_inflight < 1 or max_message_bytes < 1:
-            raise ConfigError("chunk_size in 1..2**28, max_inflight >= 1, max_message_bytes >= 1 required")
-        if start_node is not None and not 0 <= start_node <= len(fallbacks):
-            raise ConfigError(f"start_node {start_node} is not one of the {len(fallbacks) + 1} brokers")
-        if will is not None:
-            check_topic(will.topic, wildcards=False)
+        _check_options(
+            ((host, port), *fallbacks), client_id, tls, insecure, (timeout, keepalive, reconnect_min,
+            reconnect_max), (chunk_size, max_inflight, max_message_bytes), start_node, will,
+        )  # fmt: skip
         self.client_id = client_id
         if session_suffix is None:
             session_suffix = bool(fallbacks) and clean_session
         self.session_id = f"{client_id}-{secrets.token_hex(8)}" if session_suffix else client_id
+        self._sub_qos = 0 if session_suffix else 1  # subscribe()'s default (module docstring)
         self._link = PahoLink(
             ((host, port), *fallbacks),
             client_id=client_id,
@@ -325,10 +347,14 @@ class MqttTransport:
         limit = self._timeout if timeout is None else timeout
         await self._traffic.publish(topic, payload, qos, retain, limit)
 
-    async def subscribe(self, topic_filter: str, qos: int = 1, timeout: float | None = None) -> None:
-        """Subscribe and wait for the SUBACK. The filter is re-subscribed after every reconnect."""
+    async def subscribe(
+        self, topic_filter: str, qos: int | None = None, timeout: float | None = None
+    ) -> None:
+        """Subscribe and wait for the SUBACK. The filter is re-subscribed after every reconnect. ``qos``: 1,
+        or 0 on a broker cluster with a clean session (module docstring)."""
         self._link.require_open()
         check_topic(topic_filter, wildcards=True)
+        qos = self._sub_qos if qos is None else qos
         if qos not in (0, 1, 2):
             raise ConfigError(f"qos must be 0, 1 or 2, got {qos}")
         await self._traffic.subscribe(topic_filter, qos, self._deadline(timeout))
