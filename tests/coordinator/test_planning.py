@@ -89,3 +89,44 @@ def test_a_failed_round_runs_again_at_once_when_a_quorum_is_online_without_the_d
     assert not retry_due(e, 2)  # one good device is not a quorum: wait for a hello
     e.arrivals += 1
     assert retry_due(e, 2)
+
+
+def test_a_cluster_past_max_devices_plans_weights_that_fit_and_sums_at_most_max_devices(
+    public: dict[str, HEBackend],
+) -> None:
+    """One aggregate sums at most ``max_devices`` (D of the fixed point's bounds). A cluster of more devices
+    sums a subset that large, another each round, and its weights are planned so that any such subset fits
+    ``max_total``. Before, planning logged an error and used unit 1 (1,030 devices of 10 samples: weights
+    10,240 > 8,191), and every valid update went into one sum."""
+    from types import SimpleNamespace
+
+    he = public["packed"]
+    fixed = he.fixed
+    s = strategy("fedsdk")(RoundConfig(strategy="fedsdk"), he, SHAPES)
+    ids = [f"d{i:04d}" for i in range(fixed.max_devices + 6)]
+    fast = Measured(he_values_per_s=1e7, uplink_bytes_per_s=1e8, train_s=0.01)
+    samples = dict.fromkeys(ids, 10)
+    (rnd,) = plan_rounds(3, {0: ids}, s, dict.fromkeys(ids, fast), samples)
+    w = fixed.quantise_weight(10, rnd.weight_unit, rnd.weight_mult)
+    assert fixed.max_devices * w <= fixed.max_total
+    updates = [SimpleNamespace(client_id=c, weight=w) for c in ids]
+    summed = s.summable(rnd, updates)
+    assert len(summed) == fixed.max_devices
+    assert [u.client_id for u in summed] == sorted(u.client_id for u in summed)
+    rnd.round_id = 4
+    assert {u.client_id for u in s.summable(rnd, updates)} != {u.client_id for u in summed}
+    assert len(s.summable(rnd, updates[: fixed.max_devices])) == fixed.max_devices
+
+
+def test_masked_plaintext_sums_at_most_the_share_encodings_devices() -> None:
+    from types import SimpleNamespace
+
+    from fedsdk.secagg.plain import PLAIN_SHARE
+
+    s = strategy("plaintext")(RoundConfig(strategy="plaintext", secagg=True), None, SHAPES)
+    ids = [f"d{i:04d}" for i in range(PLAIN_SHARE.max_devices + 1)]
+    (rnd,) = plan_rounds(1, {0: ids}, s, {}, dict.fromkeys(ids, 7))
+    updates = [SimpleNamespace(client_id=c, weight=1) for c in ids]
+    assert len(s.summable(rnd, updates)) == PLAIN_SHARE.max_devices
+    floats = strategy("plaintext")(RoundConfig(strategy="plaintext", secagg=False), None, SHAPES)
+    assert len(floats.summable(rnd, updates)) == len(ids)  # float updates: no such bound

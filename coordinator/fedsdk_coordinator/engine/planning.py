@@ -25,6 +25,7 @@ __all__ = [
     "group_by_cluster",
     "plan_rounds",
     "retry_due",
+    "summed_counts",
     "weight_unit",
 ]
 
@@ -95,7 +96,7 @@ def plan_rounds(
     for k, members in sorted(groups.items()):
         shares = strategy.shares(ClusterPlan(members, k, measured))
         budgets = strategy.budgets(ClusterPlan(members, k, measured, shares))
-        counts = [samples.get(cid, 1) for cid in members]
+        counts = summed_counts(strategy.fixed, [samples.get(cid, 1) for cid in members])
         unit = weight_unit(strategy.fixed, counts)
         mult = 1 if strategy.fixed is None else strategy.fixed.weight_mult(counts)
         session = secrets.token_hex(8) if strategy.secagg else ""
@@ -104,6 +105,15 @@ def plan_rounds(
                        session=session, weight_mult=mult)
         )  # fmt: skip
     return rounds
+
+
+def summed_counts(fixed: FixedPoint | None, counts: list[int]) -> list[int]:
+    """The sample counts to plan the weights for: all, or the largest ``max_devices`` when a cluster has
+    more devices than one aggregate sums (it sums a subset that large: ``state.within_max_devices``), so
+    that any subset's weights fit."""
+    if fixed is None or len(counts) <= fixed.max_devices:
+        return counts
+    return sorted(counts)[-int(fixed.max_devices) :]
 
 
 def weight_unit(fixed: FixedPoint | None, counts: list[int]) -> int:

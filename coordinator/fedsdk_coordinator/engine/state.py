@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -134,6 +135,27 @@ def failure_summary(rnd: RoundState, min_clients: int) -> str:
     if missing:
         out += f"; no reply from {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
     return out
+
+
+def within_max_devices(ordered: list[Any], max_devices: int | None, rnd: RoundState) -> list[Any]:
+    """At most ``max_devices`` of the updates ``ordered``, in order: the most one fixed-point aggregate sums
+    (``FixedPoint.max_devices``, D in its bounds; None: float updates, no limit). Decision: a cluster with
+    more valid updates than that sums a subset of that many, drawn anew each round from the round and
+    session (the same after a restart), rather than overflowing its slots or failing the round; the others
+    are left out like updates past the total weight, and their devices apply the aggregate all the same. A
+    fleet that large in one cluster should be split into clusters (docs/scale.md)."""
+    if max_devices is None or len(ordered) <= max_devices:
+        return ordered
+
+    def draw(u: Any) -> bytes:
+        return hashlib.sha256(f"{rnd.round_id}\0{rnd.session}\0{u.client_id}".encode()).digest()
+
+    keep = {u.client_id for u in sorted(ordered, key=draw)[:max_devices]}
+    log.warning(
+        "round %d cluster %d: %d valid updates, one aggregate sums at most %d: %d left out this round",
+        rnd.round_id, rnd.cluster_id, len(ordered), max_devices, len(ordered) - max_devices,
+    )  # fmt: skip
+    return [u for u in ordered if u.client_id in keep]
 
 
 def within_total_weight(ordered: list[Any], limit: int, rnd: RoundState) -> list[Any]:

@@ -42,7 +42,7 @@ from fedsdk.protocol import BaseMessage
 from fedsdk.secagg.plain import PLAIN_SHARE
 from fedsdk_coordinator.engine.config import RoundConfig
 from fedsdk_coordinator.engine.measure import Measured
-from fedsdk_coordinator.engine.state import RoundState
+from fedsdk_coordinator.engine.state import RoundState, within_max_devices
 
 __all__ = ["Aggregated", "AggregationInputs", "ClusterPlan", "Strategy"]
 
@@ -180,8 +180,9 @@ class Strategy:
 
     def summable(self, rnd: RoundState, valid: list[Any]) -> list[Any]:
         """The valid updates that go into the sum, in the order they are summed (a masked round names
-        exactly these in its unmask request)."""
-        return sorted(valid, key=lambda u: u.client_id)
+        exactly these in its unmask request): at most the fixed point's ``max_devices``."""
+        limit = None if self.fixed is None else int(self.fixed.max_devices)
+        return within_max_devices(sorted(valid, key=lambda u: u.client_id), limit, rnd)
 
     def accepted(self, msg: BaseMessage, rnd: RoundState, sender: str) -> None:
         """``sender``'s update ``msg``, checked, is held for ``rnd`` (called on the event loop; never
