@@ -169,6 +169,34 @@ async def test_on_a_cluster_subscriptions_are_qos_0_unless_asked(
     assert got == {"cluster": 0, "cluster-asked": 1, "single": 1}
 
 
+@pytest.mark.broker
+async def test_on_a_cluster_a_message_of_megabytes_travels_in_one_frame(
+    mosquitto: MosquittoProcess, stopped: MosquittoProcess, unique_topic: str
+) -> None:
+    """Aggregation workers take an update from one stored message: with several nodes a 3 MB payload is one
+    MQTT message (one broker: 12 chunks of 256 KiB). Counted by a raw subscriber."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    frames: dict[str, int] = {}
+    raw = paho.Client(CallbackAPIVersion.VERSION2, client_id="frame-counter")
+    raw.on_message = lambda _c, _u, m: frames.__setitem__(m.topic, frames.get(m.topic, 0) + 1)
+    raw.connect(mosquitto.host, mosquitto.port)
+    raw.subscribe(f"{unique_topic}/#", qos=1)
+    raw.loop_start()
+    try:
+        await asyncio.sleep(0.3)
+        payload = bytes(3 * 2**20)
+        for name, url in (("cluster", f"{stopped.url},{mosquitto.url}"), ("single", mosquitto.url)):
+            async with plain(url, f"frames-{name}", start_node=1 if "," in url else None) as t:
+                await t.publish(f"{unique_topic}/{name}", payload)
+        await until(lambda: frames.get(f"{unique_topic}/single") == 12, "the single broker's chunks")
+    finally:
+        raw.loop_stop()
+        raw.disconnect()
+    assert frames == {f"{unique_topic}/cluster": 1, f"{unique_topic}/single": 12}
+
+
 def test_start_node_must_name_one_of_the_brokers() -> None:
     with pytest.raises(ConfigError, match="start_node 2 is not one of the 2 brokers"):
         plain("mqtt://127.0.0.1:1883,mqtt://127.0.0.1:1884", "x", start_node=2)

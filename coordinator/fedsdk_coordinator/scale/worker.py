@@ -99,7 +99,8 @@ def kit_urls(kit_dir: str | Path) -> list[str]:
 def unframe(data: bytes) -> bytes:
     """The message in a device's MQTT frame (``fedsdk._chunking``). A worker takes whole updates only:
     under a broker cluster an update must travel in one frame, which it does up to the device's chunk
-    size (256 KiB by default; the cluster allows frames up to ``MAX_PAYLOAD``)."""
+    size (by default 8 MiB less 4 KiB with several broker URLs, as kits of a cluster list them;
+    ``fedsdk.transport.mqtt.CLUSTER_CHUNK``)."""
     try:
         head, body = parse_frame(data, max_message_bytes=MAX_PAYLOAD)
     except FrameRejected as exc:
@@ -108,7 +109,8 @@ def unframe(data: bytes) -> bytes:
         raise ValidationError(
             "bad_chunking",
             f"an update in {head.count} frames of {head.chunk_size} bytes: aggregation workers take updates "
-            "in one frame; give the devices a chunk size of at least the update's size",
+            "in one frame; give the devices every node's URL (as the fleet's kits do), or a chunk size of at "
+            "least the update's size",
         )
     if zlib.crc32(body) != head.crc32:
         raise ValidationError("bad_crc", "the frame's checksum does not match")

@@ -26,6 +26,8 @@ Decisions (no paper specifies the transport):
   nothing across a lost connection anyway, and what a device misses then, the coordinator sends again after
   its hello. Publishing stays QoS 1 (acknowledged by the broker). The coordinator subscribes with QoS 1:
   its one subscription carries every update, and a JetStream consumer paces it instead of dropping it.
+* There too, a message of up to 8 MiB less 4 KiB travels in one frame (``CLUSTER_CHUNK``, not 256 KiB): the
+  aggregation workers take an update from one stored message (a 1 M-parameter update under HE is 3.8 MB).
 * The first :meth:`~MqttTransport.connect` retries transient failures (refused, unreachable) within
   ``timeout`` and fails at once on definitive ones (TLS verification, a CONNACK refusal, the broker closing
   the connection before CONNACK, as mosquitto does with TLS 1.3 when the client certificate is missing or
@@ -56,6 +58,13 @@ __all__ = ["MqttTransport"]
 
 log = logging.getLogger("fedsdk.transport")
 progress = logging.getLogger("fedsdk.progress")  # the one "waiting for the broker" line the CLI shows
+
+
+#: The default chunk size: what one frame of a message holds.
+CHUNK = 256 * 1024
+#: ... on a broker cluster: a message up to 8 MiB (NATS ``max_payload`` as ``fedsdk provision`` writes it)
+#: less room for the frame header travels in one frame, which the aggregation workers need.
+CLUSTER_CHUNK = 8 * 2**20 - 4096
 
 
 def _check_options(
@@ -106,7 +115,7 @@ class MqttTransport:
         timeout: float = 10.0,
         will: Will | None = None,
         clean_session: bool = True,
-        chunk_size: int = 256 * 1024,
+        chunk_size: int | None = None,
         max_inflight: int = 20,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         reconnect_min: float = 0.5,
@@ -121,6 +130,8 @@ class MqttTransport:
         session_suffix: bool | None = None,
         start_node: int | None = None,
     ) -> None:
+        if chunk_size is None:
+            chunk_size = CLUSTER_CHUNK if fallbacks else CHUNK
         _check_options(
             ((host, port), *fallbacks), client_id, tls, insecure, (timeout, keepalive, reconnect_min,
             reconnect_max), (chunk_size, max_inflight, max_message_bytes), start_node, will,
