@@ -101,3 +101,28 @@ def test_cli_with_mutual_tls_writes_the_json_report(
     assert sorted(p.name for p in (tmp_path / "w" / "pki").glob("load-*.key")) == [
         f"load-{i:04d}.key" for i in range(4)
     ]
+
+
+def test_on_a_cluster_every_sum_comes_from_the_workers_and_equals_the_coordinators_own(
+    tmp_path: Path,
+) -> None:
+    """``--cluster 2``: a provisioned 3-node NATS cluster and two aggregation workers; each aggregate comes
+    from the workers and equals the one the coordinator forms itself from the updates it received. The
+    verdict fails when a check says otherwise."""
+    from fedsdk_coordinator.scale.nodes import find_nats_server
+
+    if find_nats_server() is None:
+        pytest.skip("nats-server is not installed: pip install 'fedsdk[cluster]'")
+    config = LoadConfig(devices=DEVICES, per_process=PER_PROCESS, samples=SAMPLES, workdir=tmp_path / "run",
+                        cluster=2, deadline_s=60, join_timeout_s=60, timeout_s=120)  # fmt: skip
+    report = run_load(config)
+    assert report["ok"], json.dumps(report["outcome"], indent=2)
+    (rnd,) = report["rounds"]
+    assert rnd["updates_aggregated"] == DEVICES and rnd["summed_by_workers"] and rnd["equal_to_own_sum"]
+    work = Path(report["workdir"])
+    coordinator = json.loads((work / "coordinator.json").read_text())
+    coordinator["worker_sums"][0]["equal"] = False
+    workers = [json.loads(p.read_text()) for p in sorted(work.glob("worker-*.json"))]
+    slices = {d["client_id"]: list(range(d["num_samples"])) for w in workers for d in w["devices"]}
+    times = {"start": 0.0, "devices_start": 0.0, "end": 1.0}
+    assert not analyse(report["config"], slices, coordinator, workers, report["memory"], times, {})["ok"]

@@ -28,9 +28,12 @@ What mosquitto gives fedsdk, and how the cluster keeps it (decisions, tested in
   (``provision.mosquitto``), as NATS subjects: MQTT ``a/b`` is the subject ``a.b`` and a ``.`` inside a
   level is ``//``; an MQTT filter ``x/#`` also matches ``x`` itself, so both are granted.
 * **Retained broadcasts** are kept by NATS in a JetStream stream replicated to every node (up to 3), so a
-  device that connects to any node gets them. **QoS 1** both ways.
+  device that connects to any node gets them. **QoS 1** for publishing; devices subscribe with QoS 0
+  (``fedsdk.transport.mqtt``: each QoS 1 subscription would be a replicated consumer), the coordinator
+  with QoS 1 (``MAX_CONSUMERS`` lets more than 1,000 such subscriptions exist).
 * **Size limits.** ``max_payload`` 8 MiB (the NATS ceiling its authors advise): a larger MQTT PUBLISH is
-  refused from its header. fedsdk devices send frames of 256 KiB; the update stream keeps at most
+  refused from its header. fedsdk clients given several nodes send a message up to 8 MiB less 4 KiB in
+  one frame (``fedsdk.transport.mqtt.CLUSTER_CHUNK``); the update stream keeps at most
   ``STREAM_BYTES`` bytes.
 
 Decision beyond the brief: the workers' identity ``aggregator`` (one certificate, ``fleet/aggregator/``,
