@@ -118,7 +118,7 @@ class KeyServer:
             log.warning("key server rejected a message on %s: %s", topic, exc)
 
     async def run(self) -> None:
-        await self.transport.subscribe(f"fl/{self.federation}/keyserver/+")
+        await self.transport.subscribe(f"fl/{self.federation}/keyserver/+", qos=1)  # paced, never dropped
         try:
             async for m in self.transport.messages():
                 await self.handle(m.topic, m.payload)
