@@ -24,8 +24,9 @@ Decisions (no paper specifies the transport):
   JetStream consumer: 3 a device, made at about 60 a second by a 3-node cluster on 2 cores (measured), so
   1,000 devices joining at once waited past NATS's 5 s and were refused. With a clean session QoS 1 keeps
   nothing across a lost connection anyway, and what a device misses then, the coordinator sends again after
-  its hello. Publishing stays QoS 1 (acknowledged by the broker). The coordinator subscribes with QoS 1:
-  its one subscription carries every update, and a JetStream consumer paces it instead of dropping it.
+  its hello. Publishing stays QoS 1 (acknowledged by the broker). The coordinator and the key server
+  subscribe with QoS 1: one subscription carries every update (or aggregate), and a JetStream consumer
+  paces it instead of dropping it.
 * There too, a message of up to 8 MiB less 4 KiB travels in one frame (``CLUSTER_CHUNK``, not 256 KiB): the
   aggregation workers take an update from one stored message (a 1 M-parameter update under HE is 3.8 MB).
 * The first :meth:`~MqttTransport.connect` retries transient failures (refused, unreachable) within
