@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsdk.transport.mqtt import CLUSTER_CHUNK
 from fedsdk_bench import swarm
 
 FED = "scale"
@@ -217,7 +218,7 @@ class Collecting(threading.Thread):
         for cid in sorted(missing):
             d = self.devices[cid]
             tls = TlsConfig(str(self.root / "ca" / "ca.pem"), str(d.cert_file), str(d.key_file))
-            t = MqttTransport.from_url(urls, client_id=cid, tls=tls, timeout=30, chunk_size=8 * 2**20 - 64)
+            t = MqttTransport.from_url(urls, client_id=cid, tls=tls, timeout=30)
             async with t:
                 await t.publish(
                     f"fl/{FED}/up/{cid}/update",
@@ -297,7 +298,7 @@ def run_arm(root: Path, name: str, n_devices: int, args: argparse.Namespace, dev
         urls = json.loads((root / "coordinator" / "fedsdk.json").read_text())["broker_url"].split(",")
         res = swarm.run_swarm(urls, root / "ca" / "ca.pem", devices[:n_devices], federation=FED,
                               payload_dir=payload_dir, rounds=[round_id], processes=args.processes,
-                              connect_per_s=args.connect_rate, chunk_size=8 * 2**20 - 64, go=go,
+                              connect_per_s=args.connect_rate, chunk_size=CLUSTER_CHUNK, go=go,
                               timeout=1800)  # fmt: skip
         col.join(1800)
         done = time.monotonic()
@@ -403,7 +404,7 @@ async def _tp_round(
     start = time.monotonic()
     for d, data in zip(devices, payloads, strict=True):
         tls = TlsConfig(str(root / "ca" / "ca.pem"), str(d.cert_file), str(d.key_file))
-        t = MqttTransport.from_url(urls, client_id=d.client_id, tls=tls, chunk_size=8 * 2**20 - 64)
+        t = MqttTransport.from_url(urls, client_id=d.client_id, tls=tls)
         async with t:
             await t.publish(f"fl/{FED}/up/{d.client_id}/update", data)
     published = time.monotonic() - start
