@@ -23,7 +23,8 @@ def parser() -> argparse.ArgumentParser:
     d = {f.name: f.default for f in fields(LoadConfig)}
     p = argparse.ArgumentParser(
         prog="fedsdk bench load",
-        description="Many real FedClient devices (several per process) against mosquitto on loopback and a "
+        description="Many real FedClient devices (several per process) against mosquitto on loopback (or a "
+        "NATS cluster with aggregation workers, --cluster) and a "
         "real coordinator in its own process: checks that every update is aggregated and none lost, and "
         "measures round time and the coordinator's peak memory. See docs/results/load.md.",
     )
