@@ -18,8 +18,8 @@ Decisions (no paper specifies the transport):
   that a fleet whose kits list the same nodes in the same order spreads over them (all on the first, 1,000
   devices overran one node of three while the others idled: measured). Every failed attempt moves to the
   next node, and a lost link is retried on the next node first (the one it was on may be the one that
-  died). The backoff
-  doubles only once every node has failed in turn, so a node's death costs one short pause, not a backoff.
+  died). The backoff doubles only once every node has failed in turn, so a node's death costs one short
+  pause, not a backoff.
 * ``TCP_NODELAY`` on every connection (Nagle's algorithm off): a federation's messages are small and
   latency-bound (a 4-byte PUBACK, then a publish), and with Nagle on, the second of two small writes waits
   for the broker's delayed ACK, 40 ms on Linux (200 ms on Windows) per hop. Measured in the fleet benchmark
