@@ -1,6 +1,7 @@
 """The load run: broker, coordinator process, device worker processes, memory sampling, verdict.
 
-Order: make the keys (HE, and a development PKI with ``tls``), start mosquitto on loopback, start the
+Order: make the keys (HE, and a development PKI with ``tls``; with ``cluster`` a provisioned fleet and
+``fedsdk cluster up`` instead, ``load/cluster.py``), start mosquitto on loopback, start the
 coordinator process and wait until it is up (baseline memory), start ``ceil(devices / per_process)``
 worker processes, wait for the coordinator process to end (it ends after the last round, once the devices
 have left, or at its timeout), wait for the workers, stop everything. Every wait is bounded; whatever is
