@@ -619,15 +619,16 @@ async def test_nats_refuses_a_publish_larger_than_its_max_payload(fb: FleetBroke
 
 
 async def test_nats_a_device_fails_over_by_itself_when_its_node_dies(fb: FleetBroker) -> None:
-    """A device on node 2 (its URL list rotated to start there) whose node is SIGKILLed reconnects to another
-    node of the list by itself, and its next update reaches the coordinator on node 1."""
+    """A device on node 2 (its URL list rotated to start there, and told to start at the list's first)
+    whose node is SIGKILLed reconnects to another node of the list by itself, and its next update reaches the
+    coordinator on node 1."""
     nats_only(fb)
     nodes = fb.cluster.nodes
     kit = fb.kit("b")
     urls = ",".join(n.mqtt_url for n in (nodes[1], nodes[2], nodes[0]))
     async with connect(fb.kit("coordinator"), url=fb.node(1)) as coord:
         await coord.t.subscribe(topic("up", "+", "+"))
-        device = MqttTransport.from_url(urls, client_id=kit.client_id, tls=kit.tls, timeout=5)
+        device = MqttTransport.from_url(urls, client_id=kit.client_id, tls=kit.tls, timeout=5, start_node=0)
         try:
             async with device:
                 assert device.port == nodes[1].spec.port
