@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fedsdk.errors import ConfigError
+from fedsdk.transport.mqtt import CLUSTER_MAX_PAYLOAD
 from fedsdk_coordinator.provision.fleet import Fleet, NodeSpec
 from fedsdk_coordinator.provision.ledger import Ledger
 
@@ -67,7 +68,7 @@ __all__ = [
 #: The cluster's folder inside ``broker/``.
 NATS_DIR = "nats"
 #: The largest message a client may publish (NATS ``max_payload``).
-MAX_PAYLOAD = 8 * 1024 * 1024
+MAX_PAYLOAD = CLUSTER_MAX_PAYLOAD  # the devices' one-frame size is this less room for the header
 #: Consumers a stream may have (``jetstream.limits.default_max_consumers``, nats-server 2.15 or later).
 MAX_CONSUMERS = 10_000_000
 #: The most the update stream keeps on each node's disk before it refuses new updates.

@@ -63,9 +63,12 @@ progress = logging.getLogger("fedsdk.progress")  # the one "waiting for the brok
 
 #: The default chunk size: what one frame of a message holds.
 CHUNK = 256 * 1024
-#: ... on a broker cluster: a message up to 8 MiB (NATS ``max_payload`` as ``fedsdk provision`` writes it)
-#: less room for the frame header travels in one frame, which the aggregation workers need.
-CLUSTER_CHUNK = 8 * 2**20 - 4096
+#: The largest message a client may publish to a broker cluster (NATS ``max_payload``, written by
+#: ``fedsdk provision``).
+CLUSTER_MAX_PAYLOAD = 8 * 2**20
+#: ... on a broker cluster: a message up to that less room for the frame header travels in one frame, which
+#: the aggregation workers need.
+CLUSTER_CHUNK = CLUSTER_MAX_PAYLOAD - 4096
 
 
 def _check_options(
